@@ -1,0 +1,7 @@
+"""``python -m cyclone_kit``: the command-line interface."""
+
+import sys
+
+from cyclone_kit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,584 @@
+"""Find ``metrics.jsonl`` files and read them into pandas tables.
+
+The training runtime writes one JSON object a line (``kind`` + ``schema``: 1): ``start``,
+``step``, ``epoch`` and ``end`` records. A requeued run appends another ``start ... end``
+segment to the same file. This module turns those files into:
+
+* a **runs** table: one row per run (per ``metrics.jsonl``), with the setup from its ``start``
+  records, its final status, and its throughput (see :func:`summarize_run`);
+* a **steps** table: every ``step`` record, tagged with its run and segment;
+* an **epochs** table and a **ranks** table (per-rank summaries in ``<run>/ranks/*.json``).
+
+Reading never crashes on bad data: a line that is not a JSON object with a ``kind`` is
+skipped and counted as corrupt (a truncated last line, written by a crash, is the common
+case); a record with another schema version is skipped and counted as unsupported. Each
+file with skipped lines produces one :class:`MetricsWarning`.
+
+Study names: a run belongs to the study named by the nearest ``sweep.json`` in its directory
+or any ancestor. Without one, the study is the name of the directory given by the user
+when that directory holds runs below it; a run directory or a ``metrics.jsonl`` given
+directly is labelled ``<model>-<dataset>`` from its ``start`` record.
+
+The parsing core (:func:`parse_metrics_text`, :func:`summarize_run`) is pure; only
+:func:`find_metrics_files` and :func:`load_runs` touch the file system.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from cyclone_kit.errors import ValidationError
+
+METRICS_FILENAME = "metrics.jsonl"
+SWEEP_FILENAME = "sweep.json"
+SCHEMA_VERSION = 1
+
+#: Fields copied from each ``step`` record into the steps table.
+STEP_FIELDS = ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_per_s", "time")
+
+#: Columns of the runs table, in order.
+RUN_COLUMNS = (
+    "study",
+    "run_dir",
+    "run_id",
+    "point",
+    "repeat",
+    "declared_mode",
+    "strategy",
+    "world_size",
+    "num_nodes",
+    "local_world_size",
+    "per_device_batch_size",
+    "global_batch_size",
+    "model",
+    "dataset",
+    "precision",
+    "launcher",
+    "device",
+    "device_name",
+    "hostnames",
+    "slurm_job_id",
+    "start_time",
+    "end_time",
+    "torch_version",
+    "torchvision_version",
+    "cyclone_kit_version",
+    "git_commit",
+    "restart_count",
+    "segments",
+    "status",
+    "complete",
+    "incomplete_reason",
+    "samples_per_s",
+    "steps",
+    "wall_time_s",
+    "val_accuracy",
+    "step_records",
+    "corrupt_lines",
+    "unsupported_lines",
+    "truncated",
+    "metrics_path",
+)
+
+
+class MetricsWarning(UserWarning):
+    """A metrics file had lines that were skipped (corrupt, truncated or another schema)."""
+
+
+@dataclass
+class _Segment:
+    """One ``start ... end`` segment of a run while parsing (private, mutable)."""
+
+    start: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None
+    step_records: int = 0
+    last_step: Any = None
+    last_val_accuracy: Any = None
+
+
+@dataclass(frozen=True)
+class ParsedMetrics:
+    """The content of one metrics file.
+
+    Attributes:
+        segments: per segment, a mapping with ``start`` and ``end`` records (or None),
+            ``step_records`` (count), ``last_step`` and ``last_val_accuracy``.
+        steps: column name -> list of values for every ``step`` record, plus ``segment``.
+        epochs: every ``epoch`` record (with a ``segment`` key added).
+        corrupt_lines: lines that were not a JSON object with a string ``kind``.
+        unsupported_lines: records whose ``schema`` is not :data:`SCHEMA_VERSION`.
+        truncated: True when the last line is cut off (corrupt and no final newline).
+    """
+
+    segments: tuple[Mapping[str, Any], ...]
+    steps: Mapping[str, list[Any]]
+    epochs: tuple[Mapping[str, Any], ...]
+    corrupt_lines: int
+    unsupported_lines: int
+    truncated: bool
+
+
+def parse_metrics_text(text: str) -> ParsedMetrics:
+    """Parse the text of a ``metrics.jsonl`` file; never raises on bad lines.
+
+    Records before the first ``start`` form a segment without a start record. Unknown
+    record kinds (with schema 1) are ignored, for forward compatibility.
+
+    Args:
+        text: the whole file content.
+
+    Returns:
+        The parsed segments, step columns, epoch records and skipped-line counts.
+    """
+    loads = json.loads
+    segments: list[_Segment] = []
+    current: _Segment | None = None
+    steps: dict[str, list[Any]] = {name: [] for name in (*STEP_FIELDS, "segment")}
+    step_columns = [(name, steps[name].append) for name in STEP_FIELDS]
+    segment_append = steps["segment"].append
+    epochs: list[dict[str, Any]] = []
+    corrupt = unsupported = 0
+    truncated = False
+    lines = text.split("\n")
+    last_index = len(lines) - 1
+    for index, line in enumerate(lines):
+        if not line or line.isspace():
+            continue
+        try:
+            record = loads(line)
+        except ValueError:
+            corrupt += 1
+            # The last line without a trailing newline is a write cut short by a crash.
+            truncated = truncated or index == last_index
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+            corrupt += 1
+            continue
+        if record.get("schema") != SCHEMA_VERSION:
+            unsupported += 1
+            continue
+        kind = record["kind"]
+        if kind == "start":
+            current = _Segment(start=record)
+            segments.append(current)
+            continue
+        if current is None:
+            current = _Segment()
+            segments.append(current)
+        segment_index = len(segments) - 1
+        if kind == "step":
+            get = record.get
+            for name, append in step_columns:
+                append(get(name))
+            segment_append(segment_index)
+            current.step_records += 1
+            current.last_step = record.get("step")
+        elif kind == "epoch":
+            epochs.append({**record, "segment": segment_index})
+            if record.get("val_accuracy") is not None:
+                current.last_val_accuracy = record.get("val_accuracy")
+        elif kind == "end":
+            current.end = record
+    return ParsedMetrics(
+        segments=tuple(
+            {
+                "start": seg.start,
+                "end": seg.end,
+                "step_records": seg.step_records,
+                "last_step": seg.last_step,
+                "last_val_accuracy": seg.last_val_accuracy,
+            }
+            for seg in segments
+        ),
+        steps=steps,
+        epochs=tuple(epochs),
+        corrupt_lines=corrupt,
+        unsupported_lines=unsupported,
+        truncated=truncated,
+    )
+
+
+def _number(value: Any) -> float:
+    """Return value as a finite-or-nan float (nan for None, strings, booleans)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    return float(value)
+
+
+def _integer(value: Any) -> int | None:
+    """Return value as an int when it is an integral number, else None."""
+    number = _number(value)
+    if math.isnan(number) or number != int(number):
+        return None
+    return int(number)
+
+
+def summarize_run(parsed: ParsedMetrics) -> dict[str, Any]:
+    """Summarise one parsed metrics file as a row of the runs table (without path columns).
+
+    Rules:
+        * The setup (world size, batch sizes, model, ...) comes from the first ``start``
+          record; ``restart_count`` is the largest seen; hostnames are the union over all
+          segments, in order of appearance.
+        * ``status`` is the ``status`` of the last segment's ``end`` record, or
+          ``"incomplete"`` when the last segment has no ``end`` (crash, still running, or a
+          truncated file).
+        * A run is ``complete`` when its status is ``"completed"`` and it has a numeric
+          throughput. Only complete runs enter the scaling table.
+        * ``samples_per_s`` (the run's throughput) is the mean of the ``samples_per_s`` of its
+          segments whose ``end`` status is ``"completed"``: a requeued run (``preempted``
+          then ``completed``) counts once, with the steady-state throughput of the segment(s)
+          that ran to completion; a preempted segment's figure includes the stop and the
+          checkpoint, so it is left out.
+        * ``wall_time_s`` is the sum over all segments with an ``end`` record.
+
+    Args:
+        parsed: the result of :func:`parse_metrics_text`.
+
+    Returns:
+        A mapping with the runs-table columns that depend only on the file content.
+    """
+    segments = parsed.segments
+    starts = [seg["start"] for seg in segments if seg["start"] is not None]
+    first: Mapping[str, Any] = starts[0] if starts else {}
+    versions = first.get("versions") if isinstance(first.get("versions"), dict) else {}
+    hostnames: list[str] = []
+    for start in starts:
+        hosts = start.get("hostnames")
+        for host in hosts if isinstance(hosts, list) else []:
+            if str(host) not in hostnames:
+                hostnames.append(str(host))
+    restarts = [_integer(s.get("restart_count")) for s in starts]
+    restarts_known = [r for r in restarts if r is not None]
+
+    ends = [seg["end"] for seg in segments if seg["end"] is not None]
+    last_end = segments[-1]["end"] if segments else None
+    status = str(last_end.get("status")) if last_end is not None else "incomplete"
+    completed = [_number(e.get("samples_per_s")) for e in ends if e.get("status") == "completed"]
+    completed = [v for v in completed if not math.isnan(v)]
+    throughput = sum(completed) / len(completed) if completed else math.nan
+    wall = [_number(e.get("wall_time_s")) for e in ends]
+    wall = [w for w in wall if not math.isnan(w)]
+
+    reason = ""
+    if not segments:
+        reason = "no records"
+    elif not starts:
+        reason = "no start record"
+    elif _integer(first.get("world_size")) is None:
+        reason = "start record has no world_size"
+    elif last_end is None:
+        reason = "no end record (crashed, still running, or truncated)"
+    elif status == "preempted":
+        reason = "preempted and not resumed"
+    elif status != "completed":
+        reason = f"ended with status {status!r}"
+    elif not completed:
+        reason = "end record has no samples_per_s"
+    complete = reason == ""
+
+    steps = _integer(last_end.get("steps")) if last_end is not None else None
+    if steps is None:
+        known = [_integer(seg["last_step"]) for seg in segments]
+        known_steps = [s for s in known if s is not None]
+        steps = max(known_steps) if known_steps else None
+    val_accuracy = next(
+        (seg["last_val_accuracy"] for seg in reversed(segments) if seg["last_val_accuracy"] is not None),
+        None,
+    )
+    slurm_job_id = first.get("slurm_job_id")
+    return {
+        "run_id": first.get("run_id"),
+        "strategy": first.get("strategy") or "unknown",
+        "world_size": _integer(first.get("world_size")),
+        "num_nodes": _integer(first.get("num_nodes")),
+        "local_world_size": _integer(first.get("local_world_size")),
+        "per_device_batch_size": _integer(first.get("per_device_batch_size")),
+        "global_batch_size": _integer(first.get("global_batch_size")),
+        "model": first.get("model"),
+        "dataset": first.get("dataset"),
+        "precision": first.get("precision"),
+        "launcher": first.get("launcher"),
+        "device": first.get("device"),
+        "device_name": first.get("device_name"),
+        "hostnames": ",".join(hostnames),
+        "slurm_job_id": None if slurm_job_id is None else str(slurm_job_id),
+        "start_time": first.get("time"),
+        "end_time": last_end.get("time") if last_end is not None else None,
+        "torch_version": versions.get("torch"),
+        "torchvision_version": versions.get("torchvision"),
+        "cyclone_kit_version": versions.get("cyclone_kit"),
+        "git_commit": first.get("git_commit"),
+        "restart_count": max(restarts_known) if restarts_known else max(len(starts) - 1, 0),
+        "segments": len(segments),
+        "status": status,
+        "complete": complete,
+        "incomplete_reason": reason,
+        "samples_per_s": throughput if complete else math.nan,
+        "steps": steps,
+        "wall_time_s": sum(wall) if wall else math.nan,
+        "val_accuracy": _number(val_accuracy),
+        "step_records": sum(seg["step_records"] for seg in segments),
+        "corrupt_lines": parsed.corrupt_lines,
+        "unsupported_lines": parsed.unsupported_lines,
+        "truncated": parsed.truncated,
+    }
+
+
+@dataclass(frozen=True)
+class SweepInfo:
+    """What a ``sweep.json`` says about the runs below it.
+
+    Attributes:
+        path: the directory holding ``sweep.json``.
+        study: the study name.
+        mode: ``"strong"``, ``"weak"`` or None when absent.
+        points: resolved run directory -> that point's mapping (name, repeat, ...).
+    """
+
+    path: Path
+    study: str
+    mode: str | None
+    points: Mapping[Path, Mapping[str, Any]] = field(default_factory=dict)
+
+
+def parse_sweep(directory: Path, data: Any) -> SweepInfo:
+    """Build a :class:`SweepInfo` from the decoded content of ``directory/sweep.json``.
+
+    Raises:
+        ValueError: when ``data`` is not a sweep record.
+    """
+    if not isinstance(data, dict) or data.get("kind", "sweep") != "sweep":
+        raise ValueError("not a sweep record")
+    study = data.get("study")
+    mode = data.get("mode")
+    points: dict[Path, Mapping[str, Any]] = {}
+    for point in data.get("points") or []:
+        if isinstance(point, dict) and isinstance(point.get("run_dir"), str):
+            points[(directory / point["run_dir"]).resolve()] = point
+    return SweepInfo(
+        path=directory,
+        study=str(study) if study else directory.name,
+        mode=mode if mode in ("strong", "weak") else None,
+        points=points,
+    )
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """Everything read from a set of metrics files.
+
+    Attributes:
+        runs: one row per run (columns :data:`RUN_COLUMNS`).
+        steps: every step record: ``run_dir``, ``segment`` and :data:`STEP_FIELDS`.
+        epochs: every epoch record: ``run_dir``, ``segment``, ``epoch``, ``val_accuracy``,
+            ``epoch_time_s``.
+        ranks: per-rank summaries: ``run_dir``, ``rank``, ``host``, ``device``,
+            ``samples_per_s``, ``peak_memory_bytes``.
+        warnings: one line per problem found (also emitted as :class:`MetricsWarning`).
+    """
+
+    runs: pd.DataFrame
+    steps: pd.DataFrame
+    epochs: pd.DataFrame
+    ranks: pd.DataFrame
+    warnings: tuple[str, ...]
+
+    @property
+    def complete_runs(self) -> pd.DataFrame:
+        """The runs that count in the scaling table."""
+        return self.runs[self.runs["complete"]]
+
+    @property
+    def incomplete_runs(self) -> pd.DataFrame:
+        """The runs left out of the scaling table, with the reason."""
+        return self.runs[~self.runs["complete"]]
+
+
+def find_metrics_files(paths: Iterable[str | Path]) -> list[tuple[Path, Path]]:
+    """Find every ``metrics.jsonl`` below the given directories (or the files themselves).
+
+    Args:
+        paths: study directories, run directories, or ``metrics.jsonl`` files.
+
+    Returns:
+        ``(metrics_file, given_path)`` pairs, sorted by file within each given path, without
+        duplicates.
+
+    Raises:
+        ValidationError: a path does not exist, or a directory holds no ``metrics.jsonl``.
+    """
+    found: list[tuple[Path, Path]] = []
+    seen: set[Path] = set()
+    for raw in paths:
+        given = Path(raw)
+        if given.is_file():
+            files = [given]
+        elif given.is_dir():
+            files = sorted(given.rglob(METRICS_FILENAME))
+            if not files:
+                raise ValidationError(
+                    f"no {METRICS_FILENAME} found under {given}",
+                    hint="pass a study directory (runs/<study>) or a run directory that holds "
+                    f"{METRICS_FILENAME}; runs that never started write none",
+                )
+        else:
+            raise ValidationError(
+                f"{given} does not exist", hint="pass an existing study or run directory"
+            )
+        for file in files:
+            key = file.resolve()
+            if key not in seen:
+                seen.add(key)
+                found.append((file, given))
+    return found
+
+
+def _load_sweep(directory: Path, cache: dict[Path, SweepInfo | None], notes: list[str]) -> SweepInfo | None:
+    """Return the sweep of the nearest ancestor (or self) holding ``sweep.json``, cached."""
+    chain: list[Path] = []
+    result: SweepInfo | None = None
+    for candidate in (directory, *directory.parents):
+        if candidate in cache:
+            result = cache[candidate]
+            break
+        chain.append(candidate)
+        sweep_file = candidate / SWEEP_FILENAME
+        if sweep_file.is_file():
+            try:
+                result = parse_sweep(candidate, json.loads(sweep_file.read_text(encoding="utf-8")))
+            except (OSError, ValueError) as exc:
+                notes.append(f"{sweep_file}: ignored ({exc})")
+                continue
+            break
+    for visited in chain:
+        cache[visited] = result
+    return result
+
+
+def _read_rank_files(run_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """Read ``run_dir/ranks/rank-*.json``; unreadable files become notes."""
+    rows = []
+    for file in sorted((run_dir / "ranks").glob("rank-*.json")):
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            notes.append(f"{file}: ignored ({exc})")
+            continue
+        rows.append(
+            {
+                "rank": _integer(data.get("rank")),
+                "host": data.get("host"),
+                "device": data.get("device"),
+                "samples_per_s": _number(data.get("samples_per_s")),
+                "peak_memory_bytes": _number(data.get("peak_memory_bytes")),
+            }
+        )
+    return rows
+
+
+def _fallback_study(given: Path, metrics_file: Path, summary: Mapping[str, Any]) -> str:
+    """Study label for a run outside any sweep (see the module docstring)."""
+    if given.is_dir() and metrics_file.parent.resolve() != given.resolve():
+        return given.resolve().name
+    label = "-".join(str(summary[k]) for k in ("model", "dataset") if summary.get(k))
+    return label or metrics_file.parent.resolve().parent.name or "study"
+
+
+def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) -> Ingested:
+    """Find and read every ``metrics.jsonl`` below ``paths`` into tables.
+
+    Args:
+        paths: study directories, run directories or metrics files (one or several).
+        warn: emit each problem as a :class:`MetricsWarning` (it is always in ``.warnings``).
+
+    Returns:
+        The runs, steps, epochs and ranks tables and the list of problems found.
+
+    Raises:
+        ValidationError: a path does not exist or holds no metrics file.
+    """
+    if isinstance(paths, str | Path):
+        paths = [paths]
+    notes: list[str] = []
+    sweep_cache: dict[Path, SweepInfo | None] = {}
+    run_rows: list[dict[str, Any]] = []
+    step_frames: list[pd.DataFrame] = []
+    epoch_rows: list[dict[str, Any]] = []
+    rank_rows: list[dict[str, Any]] = []
+    for metrics_file, given in find_metrics_files(paths):
+        run_dir = metrics_file.parent
+        try:
+            text = metrics_file.read_bytes().decode("utf-8", errors="replace")
+        except OSError as exc:
+            notes.append(f"{metrics_file}: unreadable ({exc})")
+            continue
+        parsed = parse_metrics_text(text)
+        summary = summarize_run(parsed)
+        if parsed.corrupt_lines or parsed.unsupported_lines:
+            what = []
+            if parsed.corrupt_lines:
+                what.append(f"{parsed.corrupt_lines} corrupt line(s)")
+            if parsed.unsupported_lines:
+                what.append(f"{parsed.unsupported_lines} record(s) with a schema other than 1")
+            tail = " (last line truncated)" if parsed.truncated else ""
+            notes.append(f"{metrics_file}: skipped {' and '.join(what)}{tail}")
+        sweep = _load_sweep(run_dir.resolve(), sweep_cache, notes)
+        point = sweep.points.get(run_dir.resolve(), {}) if sweep is not None else {}
+        key = str(run_dir)
+        run_rows.append(
+            {
+                **summary,
+                "study": sweep.study if sweep is not None else _fallback_study(given, metrics_file, summary),
+                "run_dir": key,
+                "point": point.get("name"),
+                "repeat": _integer(point.get("repeat")),
+                "declared_mode": sweep.mode if sweep is not None else None,
+                "metrics_path": str(metrics_file),
+            }
+        )
+        if parsed.steps["step"]:
+            frame = pd.DataFrame(parsed.steps)
+            frame.insert(0, "run_dir", key)
+            step_frames.append(frame)
+        epoch_rows.extend({"run_dir": key, **e} for e in parsed.epochs)
+        rank_rows.extend({"run_dir": key, **r} for r in _read_rank_files(run_dir, notes))
+
+    runs = pd.DataFrame(run_rows, columns=list(RUN_COLUMNS))
+    for column in ("world_size", "num_nodes", "local_world_size", "per_device_batch_size",
+                   "global_batch_size", "repeat", "steps"):
+        runs[column] = runs[column].astype("Int64")
+    runs["complete"] = runs["complete"].astype(bool)
+    for column in ("samples_per_s", "wall_time_s", "val_accuracy"):
+        runs[column] = runs[column].astype(float)
+
+    step_columns = ["run_dir", *STEP_FIELDS, "segment"]
+    steps = pd.concat(step_frames, ignore_index=True) if step_frames else pd.DataFrame(columns=step_columns)
+    steps = steps[step_columns]
+    steps["run_dir"] = steps["run_dir"].astype("category")
+    for column in ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_per_s"):
+        steps[column] = pd.to_numeric(steps[column], errors="coerce")
+
+    epochs = pd.DataFrame(epoch_rows)
+    for column in ("run_dir", "segment", "epoch", "val_accuracy", "epoch_time_s"):
+        if column not in epochs:
+            epochs[column] = pd.Series(dtype=float)
+    epochs = epochs[["run_dir", "segment", "epoch", "val_accuracy", "epoch_time_s"]]
+    ranks = pd.DataFrame(
+        rank_rows,
+        columns=["run_dir", "rank", "host", "device", "samples_per_s", "peak_memory_bytes"],
+    )
+    if warn:
+        for note in notes:
+            warnings.warn(note, MetricsWarning, stacklevel=2)
+    return Ingested(runs=runs, steps=steps, epochs=epochs, ranks=ranks, warnings=tuple(notes))

@@ -1,0 +1,661 @@
+"""The scaling report: ``scaling.csv``, plots (PNG + SVG), ``report.md`` and ``report.html``.
+
+:func:`write_report` is the one entry point with side effects (it reads the runs and writes
+OUT). The content is built as a list of small blocks by the pure :func:`report_blocks`, then
+rendered twice: Markdown (images by file name) and a self-contained HTML page (images
+embedded as base64 PNG, no external resources).
+
+Baselines (``--baseline NAME=PATH``): PATH is a run directory, a study directory or a
+``metrics.jsonl`` written by this tool on another platform (e.g. ``run SPEC --nproc 1`` on
+Colab or Kaggle), or a CSV of published rows with at least the columns ``name``, ``device``,
+``samples_per_s`` (optional: ``devices``, ``model``, ``dataset``, ``precision``, ``source``,
+``kind``). Each baseline's ``samples_per_s`` is the total throughput of its ``devices``
+(default 1); the report states, for every measured N, "N GPUs here = X times NAME".
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from cyclone_kit.analysis import plots
+from cyclone_kit.analysis.ingest import Ingested, MetricsWarning, load_runs
+from cyclone_kit.analysis.scaling import (
+    ScalingFit,
+    compare_to_baselines,
+    fit_scaling_laws,
+    scaling_table,
+)
+from cyclone_kit.errors import ValidationError
+
+#: Baseline table columns.
+BASELINE_COLUMNS = (
+    "name", "device", "devices", "samples_per_s", "model", "dataset", "precision", "kind", "source",
+)
+
+#: Plot file stems written to OUT (each as .png and .svg).
+PLOT_STEMS = ("speedup", "efficiency", "throughput_per_device")
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def parse_baseline_spec(spec: str) -> tuple[str, Path]:
+    """Split a ``NAME=PATH`` baseline argument.
+
+    Raises:
+        ValidationError: no ``=``, or an empty name or path.
+    """
+    name, sep, path = spec.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValidationError(
+            f"baseline {spec!r} is not NAME=PATH",
+            hint="write e.g. --baseline colab=runs/colab-1gpu or "
+            "--baseline published=analysis/reference_baselines.csv",
+        )
+    return name.strip(), Path(path.strip())
+
+
+def _baselines_from_csv(name: str, path: Path) -> pd.DataFrame:
+    """Rows of a published-baselines CSV."""
+    try:
+        frame = pd.read_csv(path, comment="#")
+    except (OSError, ValueError) as exc:
+        raise ValidationError(f"baseline {name}: cannot read {path}: {exc}",
+                              hint="pass a CSV with columns name,device,samples_per_s") from exc
+    missing = [c for c in ("name", "device", "samples_per_s") if c not in frame.columns]
+    if missing:
+        raise ValidationError(
+            f"baseline {name}: {path} lacks column(s) {', '.join(missing)}",
+            hint="a baseline CSV needs the columns name,device,samples_per_s "
+            "(optional: devices,model,dataset,precision,source,kind)",
+        )
+    frame = frame.copy()
+    frame["samples_per_s"] = pd.to_numeric(frame["samples_per_s"], errors="coerce")
+    bad = frame["samples_per_s"].isna() | (frame["samples_per_s"] <= 0)
+    if bad.any():
+        rows = ", ".join(str(i + 2) for i in frame.index[bad])
+        raise ValidationError(f"baseline {name}: {path} has no positive samples_per_s on line(s) {rows}",
+                              hint="every row needs a positive number in samples_per_s")
+    for column in BASELINE_COLUMNS:
+        if column not in frame.columns:
+            frame[column] = pd.NA
+    frame["devices"] = pd.to_numeric(frame["devices"], errors="coerce").fillna(1).astype(int)
+    frame["kind"] = frame["kind"].fillna("published")
+    frame["source"] = frame["source"].fillna(str(path))
+    return frame[list(BASELINE_COLUMNS)]
+
+
+def _baselines_from_runs(name: str, path: Path) -> pd.DataFrame:
+    """One row: the smallest-world-size complete runs found under ``path`` (median)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MetricsWarning)
+        data = load_runs([path], warn=False)
+    runs = data.complete_runs
+    if runs.empty:
+        raise ValidationError(f"baseline {name}: no completed run under {path}",
+                              hint="pass a run directory whose metrics.jsonl ends with status completed")
+    smallest = runs[runs["world_size"] == runs["world_size"].min()]
+    first = smallest.iloc[0]
+    device = first["device_name"] if pd.notna(first["device_name"]) and first["device_name"] else first["device"]
+    return pd.DataFrame(
+        [
+            {
+                "name": name,
+                "device": device,
+                "devices": int(first["world_size"]),
+                "samples_per_s": float(smallest["samples_per_s"].median()),
+                "model": first["model"],
+                "dataset": first["dataset"],
+                "precision": first["precision"],
+                "kind": "measured",
+                "source": f"{path} ({len(smallest)} run(s), median)",
+            }
+        ],
+        columns=list(BASELINE_COLUMNS),
+    )
+
+
+def load_baseline(name: str, path: str | Path) -> pd.DataFrame:
+    """Load one ``--baseline`` as rows of :data:`BASELINE_COLUMNS`.
+
+    Args:
+        name: the NAME given (the row name for run baselines).
+        path: a CSV of published rows, or a run/study directory or ``metrics.jsonl``.
+
+    Raises:
+        ValidationError: the path does not exist, or holds nothing usable.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValidationError(f"baseline {name}: {path} does not exist",
+                              hint="pass an existing run directory, metrics.jsonl or CSV")
+    if path.is_file() and path.suffix.lower() == ".csv":
+        return _baselines_from_csv(name, path)
+    return _baselines_from_runs(name, path)
+
+
+# ---------------------------------------------------------------- report content
+
+
+@dataclass(frozen=True)
+class Heading:
+    """A section heading."""
+
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    """A paragraph of plain text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Bullets:
+    """A bulleted list of plain-text items."""
+
+    items: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table of plain-text cells."""
+
+    header: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class Image:
+    """A plot, by file stem (``<stem>.png`` / ``<stem>.svg`` in OUT)."""
+
+    stem: str
+    alt: str
+
+
+Block = Heading | Paragraph | Bullets | Table | Image
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    """A number with fixed decimals, or an empty cell for missing values."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return ""
+    if isinstance(value, int | bool) or (hasattr(value, "is_integer") and float(value).is_integer() and digits == 0):
+        return str(int(value))
+    return f"{float(value):,.{digits}f}"
+
+
+def _pct(value: Any) -> str:
+    """A fraction as a percentage, or empty."""
+    return "" if value is None or pd.isna(value) else f"{100.0 * float(value):.1f} %"
+
+
+def _unit(runs: pd.DataFrame, n: int) -> str:
+    """'GPU(s)' / 'CPU process(es)' / 'device(s)' for a count, from the runs' devices."""
+    devices = set(runs["device"].dropna().astype(str)) if not runs.empty else set()
+    if devices == {"cuda"}:
+        word = "GPU"
+    elif devices == {"cpu"}:
+        word = "CPU process"
+        return word if n == 1 else "CPU processes"
+    else:
+        word = "device"
+    return word if n == 1 else f"{word}s"
+
+
+def _values(series: pd.Series, limit: int = 6) -> str:
+    """Distinct non-empty values of a column, comma-separated, at most ``limit`` shown."""
+    values: list[str] = []
+    for value in series.dropna():
+        for part in str(value).split(","):
+            part = part.strip()
+            if part and part not in values:
+                values.append(part)
+    if len(values) > limit:
+        return ", ".join(values[:limit]) + f", ... ({len(values)} in all)"
+    return ", ".join(values)
+
+
+def _setup_table(runs: pd.DataFrame) -> Table:
+    """The setup of one study (model, data, precision, nodes, GPU type, versions)."""
+    rows = [
+        ("model", _values(runs["model"])),
+        ("dataset", _values(runs["dataset"])),
+        ("precision", _values(runs["precision"])),
+        ("strategy", _values(runs["strategy"])),
+        ("launcher", _values(runs["launcher"])),
+        ("device", _values(runs["device"])),
+        ("device name", _values(runs["device_name"])),
+        ("world sizes", _values(runs["world_size"].astype("string"))),
+        ("nodes", _values(runs["num_nodes"].astype("string"))),
+        ("devices per node", _values(runs["local_world_size"].astype("string"))),
+        ("per-device batch", _values(runs["per_device_batch_size"].astype("string"))),
+        ("global batch", _values(runs["global_batch_size"].astype("string"))),
+        ("hosts", _values(runs["hostnames"], limit=8)),
+        ("Slurm job ids", _values(runs["slurm_job_id"])),
+        ("torch", _values(runs["torch_version"])),
+        ("torchvision", _values(runs["torchvision_version"])),
+        ("cyclone_kit", _values(runs["cyclone_kit_version"])),
+        ("git commit", _values(runs["git_commit"])),
+        ("first start (UTC)", str(runs["start_time"].dropna().min()) if runs["start_time"].notna().any() else ""),
+        ("runs (complete / all)", f"{int(runs['complete'].sum())} / {len(runs)}"),
+        ("requeues", str(int(runs["restart_count"].fillna(0).sum()))),
+    ]
+    return Table(("setting", "value"), tuple((k, v or "-") for k, v in rows))
+
+
+def _scaling_rows(table: pd.DataFrame) -> Table:
+    """The scaling table of one study, formatted."""
+    header = (
+        "N", "nodes", "per-device batch", "global batch", "runs", "samples/s (median)",
+        "min - max", "samples/s per device", "speed-up", "efficiency", "Karp-Flatt e",
+    )
+    rows = []
+    for _, row in table.iterrows():
+        rows.append(
+            (
+                str(int(row["world_size"])),
+                _fmt(row["num_nodes"], 0),
+                _fmt(row["per_device_batch_size"], 0),
+                _fmt(row["global_batch_size"], 0),
+                str(int(row["runs"])),
+                _fmt(row["samples_per_s"]),
+                f"{_fmt(row['samples_per_s_min'])} - {_fmt(row['samples_per_s_max'])}",
+                _fmt(row["samples_per_s_per_device"]),
+                f"{float(row['speedup']):.2f}",
+                _pct(row["efficiency"]),
+                "" if pd.isna(row["karp_flatt"]) else f"{float(row['karp_flatt']):.4f}",
+            )
+        )
+    return Table(header, tuple(rows))
+
+
+def _fit_text(fit: ScalingFit, largest: int, unit_runs: pd.DataFrame) -> str:
+    """One sentence describing a fitted law and its extrapolation."""
+    targets = [2 * largest, 4 * largest]
+    predicted = fit.predict(targets)
+    parts = [
+        f"at {n} {_unit(unit_runs, n)}: speed-up {s:.2f} (efficiency {100 * s * fit.base_world_size / n:.0f} %)"
+        for n, s in zip(targets, predicted, strict=True)
+    ]
+    return (
+        f"{fit.law.capitalize()} fit (strategy {fit.strategy}): serial fraction s = "
+        f"{fit.serial_fraction:.4f}, RMSE {fit.rmse:.3f} over {fit.points} points. "
+        f"Predicted {'; '.join(parts)}. These are extrapolations, not measurements."
+    )
+
+
+def _baseline_note(base: pd.Series, runs: pd.DataFrame) -> str:
+    """Warn when a baseline ran another model or dataset than the study."""
+    notes = []
+    for column in ("model", "dataset"):
+        theirs = base.get(column)
+        ours = set(runs[column].dropna().astype(str))
+        if theirs is not None and pd.notna(theirs) and ours and str(theirs) not in ours:
+            notes.append(f"{column} {theirs} vs {', '.join(sorted(ours))}")
+    return f" (not like for like: {'; '.join(notes)})" if notes else ""
+
+
+def report_blocks(
+    data: Ingested,
+    table: pd.DataFrame,
+    fits: Sequence[ScalingFit],
+    baselines: pd.DataFrame,
+    *,
+    title: str = "Scaling report",
+    generated: str = "",
+    plots_written: bool = True,
+) -> list[Block]:
+    """Build the report content (pure): setup, table, plots, fits, baselines, problems.
+
+    Args:
+        data: the ingested runs.
+        table: the scaling table.
+        fits: fitted scaling laws.
+        baselines: baseline rows (:data:`BASELINE_COLUMNS`), possibly empty.
+        title: the report title.
+        generated: a timestamp line, or empty.
+        plots_written: whether the plot files exist (False when there is no complete run).
+
+    Returns:
+        The blocks, in order, for :func:`render_markdown` and :func:`render_html`.
+    """
+    runs = data.runs
+    blocks: list[Block] = [Heading(1, title)]
+    studies = list(dict.fromkeys(runs["study"]))
+    intro = (
+        f"{len(runs)} run(s) in {len(studies)} study/studies; {int(runs['complete'].sum())} complete, "
+        f"{int((~runs['complete']).sum())} incomplete."
+    )
+    blocks.append(Paragraph(intro + (f" Generated {generated}." if generated else "")))
+
+    # Headline comparisons first: what a reader of a proposal looks for.
+    headline: list[str] = []
+    comparisons = compare_to_baselines(table, baselines) if not baselines.empty else pd.DataFrame()
+    for (study, strategy), group in table.groupby(["study", "strategy"], sort=False):
+        study_runs = runs[runs["study"] == study]
+        top = group.loc[group["world_size"].idxmax()]
+        n = int(top["world_size"])
+        base = group.loc[group["world_size"].idxmin()]
+        if n != int(base["world_size"]):
+            headline.append(
+                f"{study} ({strategy}): {n} {_unit(study_runs, n)} here = {float(top['speedup']):.2f} times "
+                f"the {int(base['world_size'])}-{_unit(study_runs, 1)} baseline of this study "
+                f"(efficiency {_pct(top['efficiency'])})."
+            )
+        if not comparisons.empty:
+            mine = comparisons[
+                (comparisons["study"] == study) & (comparisons["strategy"] == strategy)
+                & (comparisons["world_size"] == n)
+            ]
+            for _, row in mine.iterrows():
+                base_row = baselines[baselines["name"] == row["baseline"]].iloc[0]
+                headline.append(
+                    f"{study} ({strategy}): {n} {_unit(study_runs, n)} here = {row['times']:.2f} times "
+                    f"{row['baseline']} ({row['baseline_device']}, {int(base_row['devices'])} device(s))"
+                    f"{_baseline_note(base_row, study_runs)}."
+                )
+    if headline:
+        blocks += [Heading(2, "Summary"), Bullets(tuple(headline))]
+
+    for study in studies:
+        study_runs = runs[runs["study"] == study]
+        study_table = table[table["study"] == study]
+        blocks.append(Heading(2, f"Study {study}"))
+        modes = ", ".join(sorted(set(study_table["mode"]))) or "unknown"
+        blocks.append(Paragraph(f"Mode: {modes} scaling. Baseline N0 = the smallest world size measured."))
+        blocks += [Heading(3, "Setup"), _setup_table(study_runs)]
+        for strategy, group in study_table.groupby("strategy", sort=False):
+            blocks += [Heading(3, f"Scaling table ({strategy})"), _scaling_rows(group)]
+            fit = next((f for f in fits if f.study == study and f.strategy == strategy), None)
+            if fit is not None:
+                blocks.append(Paragraph(_fit_text(fit, int(group["world_size"].max()), study_runs)))
+        if study_table.empty:
+            blocks.append(Paragraph("No complete run in this study: nothing to tabulate."))
+
+    if plots_written:
+        blocks.append(Heading(2, "Plots"))
+        blocks.append(Image("speedup", "Speed-up vs world size, ideal line and fitted-law prediction"))
+        blocks.append(Image("efficiency", "Parallel efficiency vs world size"))
+        blocks.append(Image("throughput_per_device", "Throughput per device vs world size"))
+
+    blocks.append(Heading(2, "Baselines"))
+    study_lines = []
+    for (study, strategy), group in table.groupby(["study", "strategy"], sort=False):
+        base = group.loc[group["world_size"].idxmin()]
+        study_runs = runs[(runs["study"] == study) & runs["complete"]]
+        n0 = int(base["world_size"])
+        device = _values(study_runs[study_runs["world_size"] == n0]["device_name"]) or _values(study_runs["device"])
+        study_lines.append(
+            f"{study} ({strategy}): N0 = {n0} {_unit(study_runs, n0)} ({device or 'unknown device'}), "
+            f"{_fmt(base['samples_per_s'])} samples/s ({_fmt(base['samples_per_s_per_device'])} per device)."
+        )
+    if study_lines:
+        blocks += [Paragraph("The baseline of each study (speed-up 1):"), Bullets(tuple(study_lines))]
+    if baselines.empty:
+        blocks.append(Paragraph(
+            "No external baseline given. Add one with --baseline NAME=PATH: a run directory or "
+            "metrics.jsonl from another platform (e.g. a 1-GPU run on Colab or Kaggle), or a CSV "
+            "of published rows such as analysis/reference_baselines.csv."
+        ))
+    else:
+        blocks.append(Table(
+            ("baseline", "device", "devices", "samples/s", "samples/s per device", "model", "precision",
+             "kind", "source"),
+            tuple(
+                (
+                    str(b["name"]), str(b["device"]), str(int(b["devices"])), _fmt(b["samples_per_s"]),
+                    _fmt(float(b["samples_per_s"]) / int(b["devices"])),
+                    "" if pd.isna(b["model"]) else str(b["model"]),
+                    "" if pd.isna(b["precision"]) else str(b["precision"]),
+                    str(b["kind"]), str(b["source"]),
+                )
+                for _, b in baselines.iterrows()
+            ),
+        ))
+        for (study, strategy), group in comparisons.groupby(["study", "strategy"], sort=False):
+            study_runs = runs[runs["study"] == study]
+            lines = []
+            for _, row in group.iterrows():
+                n = int(row["world_size"])
+                lines.append(
+                    f"{n} {_unit(study_runs, n)} here = {row['times']:.2f} times {row['baseline']} "
+                    f"(per device: {row['times_per_device']:.2f} times)"
+                )
+            blocks += [Heading(3, f"{study} ({strategy}) versus the baselines"), Bullets(tuple(lines))]
+
+    incomplete = data.incomplete_runs
+    blocks.append(Heading(2, "Incomplete runs"))
+    if incomplete.empty:
+        blocks.append(Paragraph("None: every run ended with status completed."))
+    else:
+        blocks.append(Paragraph("Left out of the table (the last segment did not complete):"))
+        blocks.append(Table(
+            ("run", "study", "N", "status", "reason", "segments", "corrupt lines"),
+            tuple(
+                (
+                    str(r["run_dir"]), str(r["study"]), _fmt(r["world_size"], 0), str(r["status"]),
+                    str(r["incomplete_reason"]), str(int(r["segments"])), str(int(r["corrupt_lines"])),
+                )
+                for _, r in incomplete.iterrows()
+            ),
+        ))
+
+    ranks = data.ranks
+    if not ranks.empty:
+        blocks.append(Heading(2, "Per-rank throughput (stragglers)"))
+        rows = []
+        for run_dir, group in ranks.groupby("run_dir", sort=False):
+            speeds = group["samples_per_s"].dropna()
+            if speeds.empty:
+                continue
+            slow = group.loc[speeds.idxmin()]
+            ratio = float(speeds.min() / speeds.median()) if speeds.median() > 0 else math.nan
+            memory = group["peak_memory_bytes"].max()
+            rows.append((
+                str(run_dir), str(len(group)), f"rank {_fmt(slow['rank'], 0)} on {slow['host']}",
+                _fmt(ratio, 2) + (" (straggler)" if ratio < 0.9 else ""),
+                "" if pd.isna(memory) else f"{float(memory) / 2**30:.2f}",
+            ))
+        blocks.append(Table(("run", "ranks", "slowest", "slowest / median", "peak memory (GiB)"), tuple(rows)))
+
+    blocks.append(Heading(2, "Data quality"))
+    if data.warnings:
+        blocks.append(Bullets(data.warnings))
+    else:
+        blocks.append(Paragraph("Every metrics line was read; no corrupt or truncated lines."))
+
+    blocks += [
+        Heading(2, "Definitions"),
+        Bullets((
+            "Throughput of a run: samples/s (global, steady state) from its end record; a requeued "
+            "run counts once, with the throughput of its completed segment(s).",
+            "T(N): median over repeats at world size N; min - max shows the spread.",
+            "Speed-up S(N) = T(N) / T(N0), N0 = the smallest world size of the study.",
+            "Efficiency: strong = S(N) x N0 / N; weak = (T(N)/N) / (T(N0)/N0).",
+            "Karp-Flatt e = (1/S - 1/p) / (1 - 1/p), p = N / N0: the experimentally determined "
+            "serial fraction; growing e with N points at overhead (communication), not serial code.",
+            "Prediction: Amdahl's law S = 1 / (s + (1 - s)/p) fitted to strong studies, Gustafson's "
+            "S = p - s (p - 1) to weak ones (least squares), drawn dashed up to 4x the largest N.",
+        )),
+    ]
+    return blocks
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _md_cell(text: str) -> str:
+    """Escape a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(blocks: Sequence[Block]) -> str:
+    """Render blocks as Markdown; images refer to ``<stem>.png`` next to the file."""
+    out: list[str] = []
+    for block in blocks:
+        if isinstance(block, Heading):
+            out.append(f"{'#' * block.level} {block.text}")
+        elif isinstance(block, Paragraph):
+            out.append(block.text)
+        elif isinstance(block, Bullets):
+            out.append("\n".join(f"- {item}" for item in block.items))
+        elif isinstance(block, Table):
+            lines = ["| " + " | ".join(_md_cell(h) for h in block.header) + " |",
+                     "|" + "|".join("---" for _ in block.header) + "|"]
+            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in block.rows]
+            out.append("\n".join(lines))
+        elif isinstance(block, Image):
+            out.append(f"![{block.alt}]({block.stem}.png)\n\n([SVG]({block.stem}.svg))")
+    return "\n\n".join(out) + "\n"
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; max-width: 72rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
+table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.9rem; }
+th, td { border: 1px solid #ccc; padding: 0.25rem 0.5rem; text-align: left; }
+th { background: #f2f2f2; }
+img { max-width: 100%; height: auto; display: block; margin: 0.5rem 0 1.5rem; }
+"""
+
+
+def render_html(blocks: Sequence[Block], images: dict[str, bytes]) -> str:
+    """Render blocks as one self-contained HTML page (PNG images embedded as base64).
+
+    Args:
+        blocks: the report content.
+        images: plot stem -> PNG bytes.
+    """
+    title = next((b.text for b in blocks if isinstance(b, Heading)), "Scaling report")
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+    ]
+    for block in blocks:
+        if isinstance(block, Heading):
+            out.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
+        elif isinstance(block, Paragraph):
+            out.append(f"<p>{html.escape(block.text)}</p>")
+        elif isinstance(block, Bullets):
+            out.append("<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in block.items) + "</ul>")
+        elif isinstance(block, Table):
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in block.header)
+            body = "".join(
+                "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in block.rows
+            )
+            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif isinstance(block, Image) and block.stem in images:
+            encoded = base64.b64encode(images[block.stem]).decode("ascii")
+            out.append(f'<img alt="{html.escape(block.alt)}" src="data:image/png;base64,{encoded}">')
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- the edge
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """What :func:`write_report` produced.
+
+    Attributes:
+        out_dir: the output directory.
+        table: the scaling table written to ``scaling.csv``.
+        data: the ingested runs.
+        fits: the fitted scaling laws.
+        baselines: the baseline rows used.
+        files: every file written.
+    """
+
+    out_dir: Path
+    table: pd.DataFrame
+    data: Ingested
+    fits: tuple[ScalingFit, ...]
+    baselines: pd.DataFrame
+    files: tuple[Path, ...]
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Problems found while reading the runs."""
+        return self.data.warnings
+
+
+def write_report(
+    paths: Sequence[str | Path] | str | Path,
+    out_dir: str | Path,
+    baselines: Sequence[str | tuple[str, str | Path]] = (),
+    *,
+    title: str = "Scaling report",
+) -> ReportResult:
+    """Read every run below ``paths`` and write the scaling report to ``out_dir``.
+
+    Writes ``scaling.csv``, ``runs.csv``, ``baselines.csv`` (when baselines are given),
+    ``speedup``/``efficiency``/``throughput_per_device`` as PNG and SVG (when at least one run
+    is complete), ``report.md`` and a self-contained ``report.html``.
+
+    Args:
+        paths: study directories, run directories or metrics files.
+        out_dir: the output directory (created).
+        baselines: ``"NAME=PATH"`` strings or ``(name, path)`` pairs.
+        title: the report title.
+
+    Raises:
+        ValidationError: a path holds no metrics, or a baseline is unusable.
+    """
+    specs = [parse_baseline_spec(b) if isinstance(b, str) else (b[0], Path(b[1])) for b in baselines]
+    baseline_rows = [load_baseline(name, path) for name, path in specs]
+    data = load_runs(paths)
+    table = scaling_table(data.runs)
+    fits = tuple(fit_scaling_laws(table))
+    baseline_frame = (
+        pd.concat(baseline_rows, ignore_index=True) if baseline_rows
+        else pd.DataFrame(columns=list(BASELINE_COLUMNS))
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    table.to_csv(out / "scaling.csv", index=False)
+    data.runs.to_csv(out / "runs.csv", index=False)
+    files += [out / "scaling.csv", out / "runs.csv"]
+    if not baseline_frame.empty:
+        comparisons = compare_to_baselines(table, baseline_frame)
+        comparisons.to_csv(out / "baselines.csv", index=False)
+        files.append(out / "baselines.csv")
+
+    images: dict[str, bytes] = {}
+    plots_written = not table.empty
+    if plots_written:
+        figures = {
+            "speedup": plots.speedup_figure(table, fits),
+            "efficiency": plots.efficiency_figure(table, fits),
+            "throughput_per_device": plots.throughput_figure(table),
+        }
+        for stem, fig in figures.items():
+            written = plots.save_figure(fig, [out / f"{stem}.png", out / f"{stem}.svg"])
+            files += written
+            images[stem] = (out / f"{stem}.png").read_bytes()
+
+    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    blocks = report_blocks(
+        data, table, fits, baseline_frame, title=title, generated=generated, plots_written=plots_written
+    )
+    (out / "report.md").write_text(render_markdown(blocks), encoding="utf-8")
+    (out / "report.html").write_text(render_html(blocks, images), encoding="utf-8")
+    files += [out / "report.md", out / "report.html"]
+    return ReportResult(
+        out_dir=out, table=table, data=data, fits=fits, baselines=baseline_frame, files=tuple(files)
+    )

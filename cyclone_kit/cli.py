@@ -1,0 +1,69 @@
+"""The command line: parse, build config, call the library. ``main(argv) -> exit code``.
+
+Each subcommand lives in ``cyclone_kit.commands.<name>`` exposing ``add_parser(subparsers)``
+and ``run(args) -> int``. Command modules import nothing heavy at module level, so a login
+node answers ``--help`` and ``submit --dry-run`` without importing torch, pandas or matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from cyclone_kit import __version__
+from cyclone_kit.errors import CycloneError
+
+#: Subcommands in the order ``--help`` lists them.
+COMMANDS = ("submit", "run", "sweep", "report", "status", "cancel", "logs", "env", "profiles")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line with a HINT and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``error: ... HINT: ...`` on one line and exit 2 (no usage block)."""
+        sys.stderr.write(f"error: {message} HINT: run '{self.prog} --help' for the valid arguments\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argparse tree (every command module registers its own sub-parser)."""
+    parser = OneLineParser(
+        prog="cyclone-kit",
+        description="Take a PyTorch vision training job from one GPU to many Slurm nodes, and prove how well it scaled.",
+    )
+    parser.add_argument("--version", action="version", version=f"cyclone_kit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    for name in COMMANDS:
+        module = f"cyclone_kit.commands.{name}"
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # a command module that exists but is broken must fail loudly
+                raise
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code (2 for every CycloneError)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except CycloneError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0

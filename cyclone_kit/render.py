@@ -1,0 +1,141 @@
+"""Render sbatch scripts from Jinja2 templates (pure: a ResolvedJob in, script text out).
+
+One sandboxed Jinja2 Environment with StrictUndefined: templates cannot call into Python,
+and a misspelt variable is an error rather than an empty string. User templates (from
+``$CYCLONE_KIT_TEMPLATES`` or ``~/.config/cyclone_kit/templates``) shadow the packaged ones.
+Every interpolated value goes through a quoting filter: ``q`` for shell words in the body,
+``sbatch`` for ``#SBATCH`` header values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from cyclone_kit import __version__
+from cyclone_kit.errors import ValidationError
+from cyclone_kit.validate import ResolvedJob
+
+#: MASTER_PORT = PORT_BASE + job id % PORT_SPAN: below Linux's ephemeral range (32768+).
+PORT_BASE = 15000
+PORT_SPAN = 16000
+_SAFE_HEADER = re.compile(r"^[A-Za-z0-9_./:@%+,=-]+$")
+
+
+def packaged_template_dir() -> Path:
+    """The templates shipped with cyclone_kit (inside the wheel, or the repo's templates/)."""
+    inside = Path(__file__).parent / "templates"
+    return inside if inside.is_dir() else Path(__file__).resolve().parent.parent / "templates"
+
+
+def template_dirs(environ: Mapping[str, str] | None = None) -> list[Path]:
+    """Template search path: the user's directory first, the packaged templates second."""
+    environ = os.environ if environ is None else environ
+    user = environ.get("CYCLONE_KIT_TEMPLATES") or str(
+        Path(environ.get("XDG_CONFIG_HOME") or Path(environ.get("HOME", "~")).expanduser() / ".config")
+        / "cyclone_kit"
+        / "templates"
+    )
+    return [Path(user), packaged_template_dir()]
+
+
+def shell_quote(value: Any) -> str:
+    """Quote a value as one shell word (the ``q`` filter)."""
+    return shlex.quote(str(value))
+
+
+def sbatch_quote(value: Any) -> str:
+    """Quote a value for an ``#SBATCH`` line (the ``sbatch`` filter).
+
+    sbatch splits directive lines on blanks and honours double quotes; it never runs a shell
+    there. Values with a double quote, backslash or line break cannot be carried safely and
+    are refused.
+    """
+    text = str(value)
+    if _SAFE_HEADER.match(text):
+        return text
+    if any(c in text for c in '"\\\n\r') or not text.isprintable():
+        raise ValidationError(
+            f"value {text!r} cannot be written into an #SBATCH line",
+            hint="avoid double quotes, backslashes and line breaks in names and paths",
+        )
+    return f'"{text}"'
+
+
+@lru_cache(maxsize=4)
+def _environment(dirs: tuple[str, ...]) -> Any:
+    from jinja2 import FileSystemLoader, StrictUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        loader=FileSystemLoader(list(dirs)),
+        undefined=StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+    )
+    env.filters["q"] = shell_quote
+    env.filters["sbatch"] = sbatch_quote
+    return env
+
+
+def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = None) -> dict[str, Any]:
+    """Every value a template may use, derived from a resolved job (pure)."""
+    spec, prof = job.spec, job.profile
+    ck = spec.checkpoint
+    run_dir = str(run_dir)
+    want_signal = ck.requeue or ck.every_steps > 0 or ck.resume
+    return {
+        "version": __version__,
+        "profile": prof.name,
+        "launcher": spec.resources.launcher,
+        "name": spec.name,
+        "nodes": job.nodes,
+        "ntasks_per_node": job.ntasks_per_node,
+        "cpus_per_task": job.cpus_per_task,
+        "gpus_per_node": job.gpus_per_node,
+        "gpu_request": prof.gpu_request,
+        "procs_per_node": job.procs_per_node,
+        "time": job.time,
+        "partition": job.partition.name,
+        "account": job.account,
+        "account_required": prof.account_required,
+        "mem": spec.resources.mem,
+        "exclusive": spec.resources.exclusive,
+        "signal": f"{ck.signal}@{ck.signal_lead_s}" if want_signal else "",
+        "requeue": ck.requeue,
+        "extra_sbatch": [*prof.extra_sbatch, *spec.resources.extra_sbatch],
+        "modules": list(prof.modules),
+        "env": list(prof.env),
+        "setup": list(prof.setup),
+        "python": python or prof.python or sys.executable,
+        "run_dir": run_dir,
+        "log_dir": f"{run_dir}/logs",
+        "port_base": PORT_BASE,
+        "port_span": PORT_SPAN,
+    }
+
+
+def render_script(
+    job: ResolvedJob,
+    run_dir: Path | str,
+    *,
+    python: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """Render the sbatch script of ``job`` for ``run_dir`` with its launcher's template."""
+    from jinja2 import TemplateError, TemplateNotFound
+
+    env = _environment(tuple(str(d) for d in template_dirs(environ)))
+    name = f"{job.spec.resources.launcher}.sbatch.j2"
+    try:
+        return env.get_template(name).render(script_context(job, run_dir, python))
+    except TemplateNotFound as e:
+        raise ValidationError(f"template {e.name!r} not found", hint=f"search path: {template_dirs(environ)}") from None
+    except TemplateError as e:
+        raise ValidationError(f"template {name} failed: {e}", hint="fix the user template or remove it") from None

@@ -1,0 +1,115 @@
+"""Slurm job states, and the mapping from every spelling Slurm prints onto :class:`JobState`."""
+
+from __future__ import annotations
+
+import enum
+
+
+class JobState(enum.Enum):
+    """The state of a Slurm job, reduced to the cases a caller acts on."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETING = "COMPLETING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMEOUT = "TIMEOUT"
+    PREEMPTED = "PREEMPTED"
+    REQUEUED = "REQUEUED"
+    NODE_FAIL = "NODE_FAIL"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    SUSPENDED = "SUSPENDED"
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def is_terminal(self) -> bool:
+        """True when the job will not run again by itself (REQUEUED and PREEMPTED are not final)."""
+        return self in _TERMINAL
+
+    @property
+    def is_active(self) -> bool:
+        """True while the job waits, runs, or is winding down."""
+        return self in _ACTIVE
+
+
+_TERMINAL = frozenset(
+    {
+        JobState.COMPLETED,
+        JobState.FAILED,
+        JobState.CANCELLED,
+        JobState.TIMEOUT,
+        JobState.NODE_FAIL,
+        JobState.OUT_OF_MEMORY,
+    }
+)
+_ACTIVE = frozenset(
+    {JobState.PENDING, JobState.RUNNING, JobState.COMPLETING, JobState.SUSPENDED, JobState.REQUEUED}
+)
+
+# Every base state of Slurm 22.05 (long name and squeue's %t code) and what it means for a caller.
+_RAW: dict[str, JobState] = {
+    "PENDING": JobState.PENDING,
+    "PD": JobState.PENDING,
+    "CONFIGURING": JobState.PENDING,  # nodes still booting: user code not started
+    "CF": JobState.PENDING,
+    "RESV_DEL_HOLD": JobState.PENDING,
+    "RD": JobState.PENDING,
+    "RUNNING": JobState.RUNNING,
+    "R": JobState.RUNNING,
+    "RESIZING": JobState.RUNNING,
+    "RS": JobState.RUNNING,
+    "SIGNALING": JobState.RUNNING,
+    "SI": JobState.RUNNING,
+    "COMPLETING": JobState.COMPLETING,
+    "CG": JobState.COMPLETING,
+    "STAGE_OUT": JobState.COMPLETING,
+    "SO": JobState.COMPLETING,
+    "COMPLETED": JobState.COMPLETED,
+    "CD": JobState.COMPLETED,
+    "FAILED": JobState.FAILED,
+    "F": JobState.FAILED,
+    "CANCELLED": JobState.CANCELLED,
+    "CA": JobState.CANCELLED,
+    "REVOKED": JobState.CANCELLED,  # a federated sibling ran it instead
+    "RV": JobState.CANCELLED,
+    "TIMEOUT": JobState.TIMEOUT,
+    "TO": JobState.TIMEOUT,
+    "DEADLINE": JobState.TIMEOUT,
+    "DL": JobState.TIMEOUT,
+    "PREEMPTED": JobState.PREEMPTED,
+    "PR": JobState.PREEMPTED,
+    "REQUEUED": JobState.REQUEUED,
+    "RQ": JobState.REQUEUED,
+    "REQUEUE_HOLD": JobState.REQUEUED,
+    "RH": JobState.REQUEUED,
+    "REQUEUE_FED": JobState.REQUEUED,
+    "RF": JobState.REQUEUED,
+    "SPECIAL_EXIT": JobState.REQUEUED,  # requeued and held after a special exit code
+    "SE": JobState.REQUEUED,
+    "NODE_FAIL": JobState.NODE_FAIL,
+    "NF": JobState.NODE_FAIL,
+    "BOOT_FAIL": JobState.NODE_FAIL,
+    "BF": JobState.NODE_FAIL,
+    "OUT_OF_MEMORY": JobState.OUT_OF_MEMORY,
+    "OOM": JobState.OUT_OF_MEMORY,
+    "SUSPENDED": JobState.SUSPENDED,
+    "S": JobState.SUSPENDED,
+    "STOPPED": JobState.SUSPENDED,
+    "ST": JobState.SUSPENDED,
+}
+
+
+def parse_state(raw: str) -> JobState:
+    """Map a state string from squeue, sacct or scontrol onto :class:`JobState`.
+
+    Accepts long names (``RUNNING``), squeue's short codes (``R``), sacct's decorations
+    (``CANCELLED by 0``, a truncated ``CANCELLED+``) and flag suffixes (``COMPLETING+``,
+    ``RUNNING,REQUEUE_HOLD``: the first word wins). Anything unrecognised is
+    :attr:`JobState.UNKNOWN` rather than an error, so a newer Slurm cannot break status polling.
+    """
+    text = raw.strip().upper()
+    if not text:
+        return JobState.UNKNOWN
+    word = text.split()[0].split(",")[0].rstrip("+*")
+    return _RAW.get(word, JobState.UNKNOWN)

@@ -1,0 +1,42 @@
+"""Create a run directory for a resolved job and hand it to a backend (the side-effect edge)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cyclone_kit.backends import get_backend
+from cyclone_kit.render import render_script
+from cyclone_kit.rundir import create_run_dir, remove_run_dir, run_dir_name, write_atomic
+from cyclone_kit.validate import ResolvedJob
+
+
+def prepare_run_dir(job: ResolvedJob, runs_dir: Path, extra_files: dict[str, str] | None = None) -> Path:
+    """Write ``job.sbatch`` and ``spec.json`` into a new run directory, all or nothing."""
+    from cyclone_kit.jobspec import spec_json
+
+    runs_dir = Path(runs_dir).absolute()
+    # Render first against a placeholder so a bad value fails before anything is created,
+    # then render for real once the final directory name is known.
+    render_script(job, runs_dir / run_dir_name(job.spec.name))
+    run_dir = create_run_dir(runs_dir, job.spec.name, {"spec.json": spec_json(job), **(extra_files or {})})
+    try:
+        write_atomic(run_dir / "job.sbatch", render_script(job, run_dir))
+        (run_dir / "job.sbatch").chmod(0o755)
+    except BaseException:
+        remove_run_dir(run_dir)
+        raise
+    return run_dir
+
+
+def submit_job(job: ResolvedJob, runs_dir: Path, backend: str = "slurm") -> tuple[Path, str]:
+    """Prepare a run directory and submit it; on failure the directory is removed again."""
+    chosen = get_backend(backend)
+    run_dir = prepare_run_dir(job, runs_dir)
+    try:
+        job_id = str(chosen.submit_run(job, run_dir))
+        write_atomic(run_dir / "job_id", job_id + "\n")
+        write_atomic(run_dir / "backend", backend + "\n")
+    except BaseException:
+        remove_run_dir(run_dir)
+        raise
+    return run_dir, job_id

@@ -1,0 +1,183 @@
+"""Reading metrics.jsonl: segments, statuses, corrupt lines, studies from sweep.json, tables."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from cyclone_kit.analysis.ingest import (
+    MetricsWarning,
+    find_metrics_files,
+    load_runs,
+    parse_metrics_text,
+    summarize_run,
+)
+from cyclone_kit.analysis.synthetic import SyntheticRun, metrics_text, run_records, write_run, write_study
+from cyclone_kit.errors import ValidationError
+
+
+def lines(*records: dict) -> str:
+    """JSON Lines text of records that get ``schema: 1`` unless they set it."""
+    return "".join(json.dumps({"schema": 1, **r}) + "\n" for r in records)
+
+
+START = {"kind": "start", "world_size": 2, "num_nodes": 1, "per_device_batch_size": 8,
+         "global_batch_size": 16, "strategy": "ddp", "device": "cpu", "hostnames": ["a"], "restart_count": 0}
+
+
+def test_parse_counts_corrupt_unsupported_and_truncated_lines() -> None:
+    text = (
+        lines(START, {"kind": "step", "step": 1, "samples_per_s": 10.0})
+        + "garbage\n"  # not JSON
+        + "[1, 2]\n"  # JSON, not an object
+        + '{"schema": 1}\n'  # no kind
+        + '{"kind": "step", "schema": 2, "step": 2}\n'  # another schema version
+        + lines({"kind": "mystery"})  # unknown kinds are ignored, not corrupt
+        + "\n   \n"  # blank lines are fine
+        + '{"kind": "end", "sch'  # cut short by a crash
+    )
+    parsed = parse_metrics_text(text)
+    assert (parsed.corrupt_lines, parsed.unsupported_lines, parsed.truncated) == (4, 1, True)
+    assert parsed.steps["step"] == [1]
+    assert len(parsed.segments) == 1
+    assert parsed.segments[0]["end"] is None
+
+
+def test_a_corrupt_line_in_the_middle_is_not_a_truncation() -> None:
+    parsed = parse_metrics_text(lines(START) + "{oops\n" + lines({"kind": "end", "status": "completed"}))
+    assert (parsed.corrupt_lines, parsed.truncated) == (1, False)
+
+
+def test_segments_split_at_each_start_and_records_before_a_start_form_one() -> None:
+    text = lines(
+        {"kind": "step", "step": 1},
+        START, {"kind": "step", "step": 2}, {"kind": "end", "status": "preempted", "samples_per_s": 5.0},
+        {**START, "restart_count": 1}, {"kind": "step", "step": 3}, {"kind": "epoch", "epoch": 0, "val_accuracy": 0.7},
+        {"kind": "end", "status": "completed", "samples_per_s": 9.0, "steps": 3, "wall_time_s": 4.0},
+    )
+    parsed = parse_metrics_text(text)
+    assert [seg["start"] is not None for seg in parsed.segments] == [False, True, True]
+    assert parsed.steps["segment"] == [0, 1, 2]
+    assert [e["segment"] for e in parsed.epochs] == [2]
+
+
+def test_summary_of_a_requeued_run() -> None:
+    run = SyntheticRun(4, 400.0, statuses=("preempted", "preempted", "completed"),
+                       segment_samples_per_s=(100.0, 200.0, 400.0), num_nodes=2)
+    summary = summarize_run(parse_metrics_text(metrics_text(run_records(run))))
+    assert summary["status"] == "completed"
+    assert summary["complete"] is True
+    assert summary["samples_per_s"] == 400.0
+    assert summary["segments"] == 3
+    assert summary["restart_count"] == 2
+    assert summary["wall_time_s"] == 30.0  # 3 segments x 10 s
+    assert summary["steps"] == 15
+    assert summary["hostnames"] == "gpu01,gpu02"
+    assert summary["val_accuracy"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("statuses", "status", "reason"),
+    [
+        (("completed", None), "incomplete", "no end record"),  # requeued, then crashed
+        (("preempted",), "preempted", "preempted and not resumed"),
+        (("failed",), "failed", "ended with status 'failed'"),
+        ((None,), "incomplete", "no end record"),
+    ],
+)
+def test_runs_whose_last_segment_did_not_complete_are_incomplete(statuses, status, reason) -> None:
+    summary = summarize_run(parse_metrics_text(metrics_text(run_records(SyntheticRun(1, 5.0, statuses=statuses)))))
+    assert summary["status"] == status
+    assert summary["complete"] is False
+    assert reason in summary["incomplete_reason"]
+    assert math.isnan(summary["samples_per_s"])
+
+
+def test_summary_without_start_or_throughput() -> None:
+    no_start = summarize_run(parse_metrics_text(lines({"kind": "end", "status": "completed", "samples_per_s": 1.0})))
+    assert (no_start["complete"], no_start["incomplete_reason"]) == (False, "no start record")
+    no_speed = summarize_run(parse_metrics_text(lines(START, {"kind": "end", "status": "completed"})))
+    assert (no_speed["complete"], no_speed["incomplete_reason"]) == (False, "end record has no samples_per_s")
+    empty = summarize_run(parse_metrics_text(""))
+    assert empty["incomplete_reason"] == "no records"
+
+
+def test_load_runs_reads_studies_points_steps_and_ranks(tmp_path: Path) -> None:
+    study = write_study(tmp_path, "strong-a", "strong", [
+        ("n1-r0", SyntheticRun(1, 100.0, steps=3)),
+        ("n1-r1", SyntheticRun(1, 110.0, steps=3)),
+        ("n2-r0", SyntheticRun(2, 150.0, steps=4, statuses=("failed",))),
+    ], repeats=[0, 1, 0])
+    ranks = study / "n1-r0" / "ranks"
+    ranks.mkdir()
+    (ranks / "rank-00000.json").write_text(json.dumps(
+        {"rank": 0, "host": "gpu01", "device": "cuda:0", "samples_per_s": 100.0, "peak_memory_bytes": 2**30}))
+    (ranks / "rank-00001.json").write_text("{broken")
+    with pytest.warns(MetricsWarning, match="rank-00001"):
+        data = load_runs(study)
+    runs = data.runs.set_index("point")
+    assert list(runs.index) == ["n1-r0", "n1-r1", "n2-r0"]
+    assert set(runs["study"]) == {"strong-a"}
+    assert set(runs["declared_mode"]) == {"strong"}
+    assert runs.loc["n1-r1", "repeat"] == 1
+    assert runs["complete"].tolist() == [True, True, False]
+    assert list(data.complete_runs["samples_per_s"]) == [100.0, 110.0]
+    assert list(data.incomplete_runs["status"]) == ["failed"]
+    assert len(data.steps) == 3 + 3 + 4
+    assert {"run_dir", "segment", "step", "loss", "step_time_s", "data_time_s", "samples_per_s"} <= set(data.steps)
+    assert data.steps["step_time_s"].dtype.kind == "f"
+    assert len(data.epochs) == 3
+    assert data.ranks[["rank", "host", "samples_per_s"]].values.tolist() == [[0, "gpu01", 100.0]]
+
+
+def test_run_dirs_inside_a_study_find_the_nearest_sweep_json(tmp_path: Path) -> None:
+    outer = write_study(tmp_path, "outer", "weak", [("n1", SyntheticRun(1, 1.0))])
+    inner = write_study(outer, "inner", "strong", [("n1", SyntheticRun(1, 1.0))])
+    data = load_runs([inner / "n1", outer / "n1" / "metrics.jsonl"])
+    assert list(data.runs["study"]) == ["inner", "outer"]
+    assert list(data.runs["declared_mode"]) == ["strong", "weak"]
+
+
+def test_study_names_without_a_sweep_json(tmp_path: Path) -> None:
+    write_run(tmp_path / "my-study" / "a", SyntheticRun(1, 1.0, model="resnet18", dataset="cifar10"))
+    write_run(tmp_path / "lonely", SyntheticRun(1, 1.0, model="resnet18", dataset="cifar10"))
+    assert list(load_runs(tmp_path / "my-study").runs["study"]) == ["my-study"]
+    # A run directory given directly is labelled by model and dataset.
+    assert list(load_runs(tmp_path / "lonely").runs["study"]) == ["resnet18-cifar10"]
+    assert load_runs(tmp_path / "lonely").runs["declared_mode"].isna().all()
+
+
+def test_a_broken_sweep_json_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    write_run(tmp_path / "s" / "a", SyntheticRun(1, 1.0))
+    (tmp_path / "s" / "sweep.json").write_text("{nope")
+    with pytest.warns(MetricsWarning, match="sweep.json"):
+        data = load_runs(tmp_path / "s")
+    assert list(data.runs["study"]) == ["s"]
+
+
+def test_find_metrics_files_dedups_and_rejects_empty_or_missing_paths(tmp_path: Path) -> None:
+    path = write_run(tmp_path / "s" / "a", SyntheticRun(1, 1.0))
+    found = find_metrics_files([tmp_path / "s", path, tmp_path / "s" / "a"])
+    assert [f for f, _ in found] == [path]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValidationError, match="no metrics.jsonl found under") as err:
+        find_metrics_files([tmp_path / "empty"])
+    assert err.value.hint
+    with pytest.raises(ValidationError, match="does not exist"):
+        load_runs(tmp_path / "missing")
+
+
+def test_non_numeric_fields_become_missing_values_not_errors(tmp_path: Path) -> None:
+    text = lines(
+        {**START, "world_size": "two"}, {"kind": "step", "step": "x", "loss": None},
+        {"kind": "end", "status": "completed", "samples_per_s": "fast"},
+    )
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text(text)
+    data = load_runs(tmp_path / "r")
+    assert not data.runs["complete"].iloc[0]
+    assert data.runs["incomplete_reason"].iloc[0] == "start record has no world_size"
+    assert data.steps["step"].isna().all()
