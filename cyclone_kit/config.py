@@ -9,6 +9,7 @@ validated on construction. Cross-checks against a cluster profile live in
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import tomllib
 import types
@@ -411,6 +412,8 @@ def parse_assignment(item: str) -> tuple[str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    if isinstance(value, datetime.date | datetime.time):
+        value = raw.strip()  # 01:00:00 is a wall time, not a TOML time of day
     return key, value
 
 
@@ -489,6 +492,8 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
             if item is not str:
                 return tuple(value)
         raise ValidationError(f"{where} must be a list of strings, got {value!r}", hint=f'write {where.split(".")[-1]} = ["..."]')
+    if hint is str and isinstance(value, datetime.time):
+        value = value.isoformat()  # an unquoted `time = 01:00:00` in TOML
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),

@@ -163,7 +163,7 @@ def test_find_metrics_files_dedups_and_rejects_empty_or_missing_paths(tmp_path: 
     found = find_metrics_files([tmp_path / "s", path, tmp_path / "s" / "a"])
     assert [f for f, _ in found] == [path]
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValidationError, match="no metrics.jsonl found under") as err:
+    with pytest.raises(ValidationError, match=r"no metrics\.jsonl found under") as err:
         find_metrics_files([tmp_path / "empty"])
     assert err.value.hint
     with pytest.raises(ValidationError, match="does not exist"):

@@ -1,0 +1,55 @@
+# The README's commands: `make demo` and `make test` (+ `make bench`). Each sets itself up.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup data slurm-up slurm-down demo test unit lint bench golden clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Real data for the tests and the demo: Debian's Fashion-MNIST (skipped where apt is not usable).
+data:
+	@if [ -d /usr/share/datasets/fashion-mnist ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q --no-install-recommends dataset-fashion-mnist >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends dataset-fashion-mnist >/dev/null; } \
+	  || echo "note: dataset-fashion-mnist not installed; real-data tests will be skipped"; \
+	else echo "note: not root or no apt-get: real-data tests will be skipped"; fi
+
+# The local Slurm cluster for the Slurm tier (skipped, with the reason, where it cannot start).
+slurm-up:
+	@bash scripts/local-slurm.sh start || echo "note: local Slurm cluster not started; the Slurm tier will be skipped"
+
+slurm-down:
+	@bash scripts/local-slurm.sh stop
+
+demo: setup data
+	bash scripts/demo.sh
+
+lint: setup
+	$(PY) -m ruff check .
+
+unit: setup
+	$(PY) -m pytest -q tests/unit
+
+test: setup data slurm-up
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -ra
+
+bench: setup
+	$(PY) bench/run_all.py
+
+# Regenerate the golden sbatch scripts after an intended template change; review the diff.
+golden: setup
+	CK_REGEN_GOLDEN=1 $(PY) -m pytest -q tests/unit/test_render.py
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,192 @@
+"""The Slurm backend: sbatch / squeue / sacct / scontrol / scancel on the machine it runs on.
+
+Commands are built by :mod:`cyclone_kit.slurm.argv`, run by :func:`cyclone_kit.proc.run_command`
+and read by :mod:`cyclone_kit.slurm.parse`; this module only decides which to run and turns
+failures into :class:`~cyclone_kit.errors.SlurmError` with a HINT.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from cyclone_kit.errors import SlurmError, ValidationError
+from cyclone_kit.proc import CompletedCommand, run_command
+from cyclone_kit.slurm import argv as slurm_argv
+from cyclone_kit.slurm.parse import (
+    JobInfo,
+    parse_sacct,
+    parse_sbatch_parsable,
+    parse_scontrol_job,
+    parse_squeue,
+    select_job,
+)
+
+_INVALID_ID = "Invalid job id specified"
+_NO_ACCOUNTING = "accounting storage is disabled"
+_CONTROLLER_HINT = "is Slurm up? check with `sinfo` (for the local test cluster: scripts/local-slurm.sh status)"
+
+
+def _first_line(text: str) -> str:
+    """The first non-empty line of a command's output, for error messages."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "no output")
+
+
+def _sbatch_hint(stderr: str) -> str:
+    """The fix for the sbatch rejections users meet most."""
+    low = stderr.lower()
+    if "invalid partition" in low:
+        return "use a partition that `sinfo -s` lists (e.g. cpu or gpu)"
+    if "node configuration is not available" in low or "node count specification invalid" in low:
+        return "ask for no more nodes, CPUs, memory or GPUs per node than the partition has (see `sinfo -N -l`)"
+    if "invalid account" in low:
+        return "pass an account you belong to (`sacctmgr show assoc user=$USER`)"
+    if "time limit" in low:
+        return "lower --time to the partition's MaxTime (`sinfo -o '%P %l'`)"
+    if "unable to contact slurm controller" in low:
+        return _CONTROLLER_HINT
+    return "fix the #SBATCH option the message names and submit again"
+
+
+class SlurmBackend:
+    """Submit, inspect, cancel and requeue batch jobs with Slurm's own commands.
+
+    Args:
+        timeout: seconds any single Slurm command may take.
+    """
+
+    name = "slurm"
+
+    def __init__(self, *, timeout: float = 30) -> None:
+        self.timeout = timeout
+
+    def _run(self, argv: Sequence[str], **kwargs: object) -> CompletedCommand:
+        """Run a Slurm command without raising on a non-zero exit."""
+        return run_command(argv, timeout=self.timeout, check=False, **kwargs)  # type: ignore[arg-type]
+
+    def submit(self, script_path: Path, run_dir: Path) -> str:
+        """Submit ``script_path`` with ``sbatch --parsable`` from ``run_dir``; return the job id.
+
+        Relative paths in the script's ``#SBATCH`` lines (``--output``) resolve against ``run_dir``.
+
+        Raises:
+            ValidationError: the script or the run directory does not exist.
+            SlurmError: sbatch rejected the job (the message quotes sbatch's reason).
+        """
+        script = Path(script_path)
+        run_dir = Path(run_dir)
+        if not script.is_file():
+            raise ValidationError(f"batch script {script} does not exist", hint="render the job before submitting it")
+        if not run_dir.is_dir():
+            raise ValidationError(f"run directory {run_dir} does not exist", hint="create it before submitting")
+        argv = slurm_argv.sbatch(script.resolve())
+        result = self._run(argv, cwd=run_dir)
+        if not result.ok:
+            raise SlurmError(
+                f"sbatch rejected {script}: {_first_line(result.stderr or result.stdout)}",
+                hint=_sbatch_hint(result.stderr),
+            )
+        return parse_sbatch_parsable(result.stdout)
+
+    def status(self, job_id: str) -> JobInfo:
+        """The job's current :class:`JobInfo`.
+
+        Asks squeue first (every job the controller still holds, finished ones for MinJobAge);
+        for a job that left the controller, sacct; where accounting is disabled, ``scontrol
+        show job``. For an array job's parent id the tasks are summarised (see
+        :func:`~cyclone_kit.slurm.parse.select_job`).
+
+        Raises:
+            ValidationError: ``job_id`` is not a job id.
+            SlurmError: no command knows the job, or Slurm cannot be reached.
+        """
+        job_id = slurm_argv.check_job_id(job_id)
+        sources = (
+            (slurm_argv.squeue, parse_squeue),
+            (slurm_argv.sacct, parse_sacct),
+            (slurm_argv.scontrol_show_job, parse_scontrol_job),
+        )
+        problems = []
+        for build, parse in sources:
+            argv = build(job_id)
+            result = self._run(argv)
+            if result.ok:
+                info = select_job(job_id, parse(result.stdout))
+                if info is not None:
+                    return info
+                continue
+            err = result.stderr.strip()
+            if _INVALID_ID in err or _NO_ACCOUNTING in err:
+                continue  # this source does not know the job; ask the next one
+            problems.append(f"{argv[0]}: {_first_line(err or result.stdout)}")
+        if problems:
+            raise SlurmError(f"cannot get the status of job {job_id}: {'; '.join(problems)}", hint=_CONTROLLER_HINT)
+        raise SlurmError(
+            f"job {job_id} not found",
+            hint="check the id (squeue --me lists your jobs); finished jobs stay in the controller only "
+            "MinJobAge seconds unless accounting (sacct) is enabled",
+        )
+
+    def cancel(self, job_id: str) -> None:
+        """Cancel the job (all tasks of an array job when given the parent id).
+
+        A job that already finished is left as it is. scancel exits 0 for ids it does not know,
+        so the job is looked up first.
+
+        Raises:
+            SlurmError: the job does not exist, or scancel failed.
+        """
+        info = self.status(job_id)
+        if info.state.is_terminal:
+            return
+        result = self._run(slurm_argv.scancel(info.job_id))
+        if not result.ok:
+            raise SlurmError(
+                f"scancel {info.job_id} failed: {_first_line(result.stderr or result.stdout)}",
+                hint="only the job's owner or an administrator may cancel it",
+            )
+
+    def requeue(self, job_id: str) -> None:
+        """Put the job back in the queue (``scontrol requeue``); it restarts with SLURM_RESTART_COUNT+1.
+
+        For an array task, pass ``ARRAYJOBID_TASKID`` (see :func:`cyclone_kit.slurm.env.requeue_target`).
+
+        Raises:
+            SlurmError: the job does not exist or Slurm refused to requeue it.
+        """
+        info = self.status(job_id)
+        result = self._run(slurm_argv.scontrol_requeue(info.job_id))
+        if not result.ok:
+            raise SlurmError(
+                f"scontrol requeue {info.job_id} refused: {_first_line(result.stderr or result.stdout)}",
+                hint="only batch jobs submitted with requeue allowed (sbatch --requeue, the default "
+                "unless JobRequeue=0) can be requeued, and only while Slurm still holds them",
+            )
+
+    def wait(
+        self,
+        job_id: str,
+        *,
+        until: Callable[[JobInfo], bool] = lambda info: info.state.is_terminal,
+        timeout: float = 300,
+        poll: float = 0.25,
+    ) -> JobInfo:
+        """Poll :meth:`status` until ``until(info)`` holds (default: the job finished); return that info.
+
+        Raises:
+            SlurmError: ``timeout`` seconds passed first (the message names the last state).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.status(job_id)
+            if until(info):
+                return info
+            if time.monotonic() >= deadline:
+                raise SlurmError(
+                    f"job {job_id} still {info.state.value} after {timeout:g} s"
+                    + (f" (reason: {info.reason})" if info.reason else ""),
+                    hint="see `scontrol show job " + job_id + "`; a PENDING reason names what it waits for",
+                )
+            time.sleep(poll)
+

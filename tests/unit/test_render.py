@@ -1,0 +1,104 @@
+"""Rendered sbatch scripts: golden files, bash -n, and what every script must contain.
+
+Regenerate the golden files after an intended template change with ``make golden``
+(``CK_REGEN_GOLDEN=1 pytest tests/unit/test_render.py``) and review the diff.
+"""
+
+import os
+import subprocess
+
+import pytest
+
+from cyclone_kit.config import load_profile, spec_from_dict
+from cyclone_kit.errors import ValidationError
+from cyclone_kit.render import render_script, sbatch_quote, shell_quote
+from cyclone_kit.validate import resolve
+from tests.conftest import REPO
+
+GOLDEN = REPO / "tests" / "golden"
+RUN_DIR = "/scratch/p163/runs/demo-20260101-000000"
+PY = "/opt/venv/bin/python"
+NO_USER_TEMPLATES = {"CYCLONE_KIT_TEMPLATES": "/nonexistent"}
+
+CASES = {
+    "cyclone_gpu_4nodes": ("cyclone", {"partition": "gpu", "nodes": 4, "account": "p163", "exclusive": True}),
+    "cyclone_torchrun_2nodes": ("cyclone", {"partition": "gpu", "nodes": 2, "launcher": "torchrun"}),
+    "cyclone_horovod_2nodes": ("cyclone", {"partition": "gpu", "nodes": 2, "launcher": "horovod", "account": "p163"}),
+    "local_cpu_2x2": ("local", {"partition": "cpu", "nodes": 2, "ntasks_per_node": 2}),
+    "generic_gpus_per_node": ("generic", {"partition": "gpu", "nodes": 1, "gpus_per_node": 2, "mem": "64G"}),
+}
+
+
+def render(profile, resources, run_dir=RUN_DIR, name="demo", checkpoint=None):
+    spec = spec_from_dict({"name": name, "resources": {"profile": profile, **resources},
+                           "checkpoint": checkpoint or {}})
+    return render_script(resolve(spec, load_profile(profile)), run_dir, python=PY, environ=NO_USER_TEMPLATES)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case):
+    text = render(*CASES[case])
+    path = GOLDEN / f"{case}.sbatch"
+    if os.environ.get("CK_REGEN_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}: run `make golden`"
+    assert text == path.read_text(), f"{case} differs from its golden file: run `make golden` if intended"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bash_accepts(case, tmp_path):
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(*CASES[case]))
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def test_cyclone_4_node_script_has_everything():
+    text = render("cyclone", {"partition": "gpu", "nodes": 4})
+    for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=10",
+                 "#SBATCH --gres=gpu:4", "#SBATCH --time=01:00:00", "#SBATCH --partition=gpu",
+                 "#SBATCH --job-name=demo", f"#SBATCH --output={RUN_DIR}/logs/%x-%j.out",
+                 f"#SBATCH --error={RUN_DIR}/logs/%x-%j.err", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
+                 "module load CUDA/12.1.1", 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
+                 "export MASTER_ADDR", "export MASTER_PORT=", "srun --kill-on-bad-exit=1"]:
+        assert line in text, line
+    assert "--account" not in text.replace("--account=<project>", "").replace("--account to", "")
+
+
+def test_signal_is_configurable_and_no_signal_without_checkpointing():
+    text = render("local", {}, checkpoint={"signal": "USR1", "signal_lead_s": 300})
+    assert "#SBATCH --signal=USR1@300" in text
+    text = render("local", {}, checkpoint={"requeue": False, "resume": False, "every_steps": 0})
+    assert "--signal" not in text and "--requeue" not in text
+
+
+def test_user_template_dir_wins(tmp_path):
+    (tmp_path / "srun.sbatch.j2").write_text('{% extends "base.sbatch.j2" %}{% block launch %}echo mine{% endblock %}')
+    spec = spec_from_dict({"resources": {"profile": "local"}})
+    text = render_script(resolve(spec, load_profile("local")), RUN_DIR, environ={"CYCLONE_KIT_TEMPLATES": str(tmp_path)})
+    assert text.rstrip().endswith("echo mine") and "#SBATCH --nodes=1" in text
+
+
+@pytest.mark.parametrize("payload", ["{{ ''.__class__.__mro__[1].__subclasses__() }}",
+                                     "{{ cycler.__init__.__globals__.os.system('touch /tmp/pwned') }}",
+                                     "{{ undefined_variable }}"])
+def test_user_templates_are_sandboxed(tmp_path, payload):
+    (tmp_path / "srun.sbatch.j2").write_text(payload)
+    spec = spec_from_dict({"resources": {"profile": "local"}})
+    with pytest.raises(ValidationError, match="HINT"):
+        render_script(resolve(spec, load_profile("local")), RUN_DIR, environ={"CYCLONE_KIT_TEMPLATES": str(tmp_path)})
+
+
+@pytest.mark.parametrize(("value", "expected"), [("abc", "abc"), ("/a b/c", '"/a b/c"'), ("$(x)", '"$(x)"'),
+                                                 ("a;b", '"a;b"'), ("p163", "p163")])
+def test_sbatch_quote(value, expected):
+    assert sbatch_quote(value) == expected
+
+
+@pytest.mark.parametrize("value", ['a"b', "a\nb", "a\\b", "a\rb"])
+def test_sbatch_quote_refuses(value):
+    with pytest.raises(ValidationError, match="HINT"):
+        sbatch_quote(value)
+
+
+def test_shell_quote():
+    assert shell_quote("it's") == "'it'\"'\"'s'"

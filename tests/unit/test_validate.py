@@ -1,0 +1,87 @@
+"""Validation of a job against a cluster profile: what is filled in, and every refusal."""
+
+import pytest
+
+from cyclone_kit.config import load_profile, spec_from_dict
+from cyclone_kit.errors import ValidationError
+from cyclone_kit.validate import resolve
+
+
+def job(profile="cyclone", **resources):
+    return resolve(spec_from_dict({"resources": {"profile": profile, **resources}}), load_profile(profile))
+
+
+def test_cyclone_gpu_defaults():
+    j = job(partition="gpu", nodes=4)
+    assert (j.nodes, j.gpus_per_node, j.ntasks_per_node, j.cpus_per_task, j.world_size) == (4, 4, 4, 10, 16)
+
+
+def test_cpu_partition_defaults():
+    j = job(partition="cpu", nodes=2)
+    assert (j.gpus_per_node, j.ntasks_per_node, j.cpus_per_task, j.world_size) == (0, 1, 40, 2)
+    j = job("local", nodes=2, ntasks_per_node=2)
+    assert (j.partition.name, j.cpus_per_task, j.world_size) == ("cpu", 2, 4)
+
+
+def test_torchrun_one_task_per_node():
+    j = job(partition="gpu", nodes=2, launcher="torchrun")
+    assert (j.ntasks_per_node, j.procs_per_node, j.cpus_per_task, j.world_size) == (1, 4, 40, 8)
+
+
+def test_fewer_gpus_per_node():
+    j = job(partition="gpu", gpus_per_node=2)
+    assert (j.ntasks_per_node, j.world_size) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("resources", "fragment", "fix"),
+    [
+        ({"partition": "gpu", "nodes": 17}, "has 16 nodes", "--nodes between 1 and 16"),
+        ({"partition": "gpu", "gpus_per_node": 8}, "has 4 GPUs per node", "--gpus-per-node=4"),
+        ({"partition": "cpu", "gpus_per_node": 1}, "has 0 GPUs per node", "--partition"),
+        ({"partition": "gpu", "ntasks_per_node": 3}, "--ntasks-per-node=3 but --gpus-per-node=4", "--ntasks-per-node=4"),
+        ({"partition": "gpu", "time": "2-00:00:00"}, "above the 1-00:00:00 limit", "--time=1-00:00:00"),
+        ({"partition": "gpu", "cpus_per_task": 12}, "more than the 10 cores per GPU", "--cpus-per-task=10"),
+        ({"partition": "cpu", "ntasks_per_node": 4, "cpus_per_task": 20}, "= 80 CPUs", "--cpus-per-task"),
+        ({"partition": "gpux"}, "unknown partition 'gpux'", "cpu, gpu"),
+        ({"partition": "gpu", "launcher": "torchrun", "ntasks_per_node": 4}, "torchrun launcher", "drop --ntasks-per-node"),
+    ],
+)
+def test_refusals(resources, fragment, fix):
+    with pytest.raises(ValidationError) as e:
+        job(**resources)
+    text = str(e.value)
+    assert fragment in text and "HINT" in text and fix in text.split("HINT")[1]
+    assert "\n" not in text
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"resources": {"nodes": 0}}, "resources.nodes must be at least 1"),
+        ({"resources": {"nodes": -2}}, "resources.nodes must be at least 1"),
+        ({"resources": {"time": "1:2:3:4"}}, "malformed time"),
+        ({"resources": {"launcher": "mpirun"}}, "unknown resources.launcher"),
+        ({"train": {"model": "resnet9000"}}, "unknown train.model"),
+        ({"train": {"dataset": "mnist"}}, "unknown train.dataset"),
+        ({"train": {"dataset": "cifar10"}}, "needs train.data_dir"),
+        ({"train": {"steps": 0, "epochs": 0}}, "both 0"),
+        ({"train": {"lr": -1.0}}, "train.lr must be > 0"),
+        ({"train": {"batch_size": "64"}}, "train.batch_size must be int"),
+        ({"checkpoint": {"signal": "KILL"}}, "unknown checkpoint.signal"),
+        ({"name": "a b"}, "job name 'a b' is not allowed"),
+        ({"name": "x;rm -rf"}, "is not allowed"),
+        ({"bogus": 1}, "unknown job spec key(s): bogus"),
+        ({"resources": {"account": "p1; rm"}}, "contains characters"),
+        ({"train": 3}, "must be a table"),
+    ],
+)
+def test_spec_refusals(data, fragment):
+    with pytest.raises(ValidationError) as e:
+        spec_from_dict(data)
+    assert fragment in str(e.value) and "HINT" in str(e.value)
+
+
+def test_unknown_profile():
+    with pytest.raises(ValidationError, match="unknown profile 'nope'.*HINT.*cyclone"):
+        load_profile("nope")
