@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from cyclone_kit.errors import ValidationError
 from cyclone_kit.walltime import parse_time

@@ -74,7 +74,8 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
         if res.ntasks_per_node not in (None, 1):
             raise ValidationError(
                 f"--ntasks-per-node={res.ntasks_per_node} with the torchrun launcher, which runs one task per node",
-                hint=f"drop --ntasks-per-node (torchrun starts {gpus or 1} processes per node) or use --set resources.launcher=srun",
+                hint=f"drop --ntasks-per-node (torchrun starts {gpus or 1} processes per node) "
+                "or use --set resources.launcher=srun",
             )
     elif gpus:
         tasks = gpus if res.ntasks_per_node is None else res.ntasks_per_node

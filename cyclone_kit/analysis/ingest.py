@@ -111,7 +111,8 @@ class ParsedMetrics:
     Attributes:
         segments: per segment, a mapping with ``start`` and ``end`` records (or None),
             ``step_records`` (count), ``last_step`` and ``last_val_accuracy``.
-        steps: column name -> list of values for every ``step`` record, plus ``segment``.
+        steps: every ``step`` record, in file order.
+        step_segments: the segment index of each ``step`` record.
         epochs: every ``epoch`` record (with a ``segment`` key added).
         corrupt_lines: lines that were not a JSON object with a string ``kind``.
         unsupported_lines: records whose ``schema`` is not :data:`SCHEMA_VERSION`.
@@ -119,11 +120,63 @@ class ParsedMetrics:
     """
 
     segments: tuple[Mapping[str, Any], ...]
-    steps: Mapping[str, list[Any]]
+    steps: Sequence[Mapping[str, Any]]
+    step_segments: Sequence[int]
     epochs: tuple[Mapping[str, Any], ...]
     corrupt_lines: int
     unsupported_lines: int
     truncated: bool
+
+    def steps_frame(self) -> pd.DataFrame:
+        """The step records as a DataFrame: :data:`STEP_FIELDS` plus ``segment``."""
+        frame = pd.DataFrame(list(self.steps), columns=list(STEP_FIELDS))
+        frame["segment"] = list(self.step_segments)
+        return frame
+
+
+try:  # pandas' C JSON parser: ~1.5x faster than json.loads on large files; exact with precise_float.
+    from pandas.io.json import ujson_loads as _ujson_loads
+
+    def _fast_loads(text: str) -> Any:
+        """Decode with pandas' ujson (precise floats)."""
+        return _ujson_loads(text, precise_float=True)
+
+except ImportError:  # pragma: no cover - depends on the pandas version
+    _fast_loads = json.loads
+
+
+def _decode(text: str) -> tuple[list[Any], int, bool]:
+    """Decode every non-blank line: (values, corrupt line count, last line truncated).
+
+    Fast path: the whole file as one JSON array, accepted only when it decodes to exactly one
+    value per line. Anything else (a corrupt, blank or split line) takes the exact per-line
+    path with the standard library.
+    """
+    body = text.strip()
+    if not body:
+        return [], 0, False
+    try:
+        values = _fast_loads("[" + body.replace("\n", ",") + "]")
+    except ValueError:
+        values = None
+    if isinstance(values, list) and len(values) == body.count("\n") + 1:
+        return values, 0, False
+    loads = json.loads
+    values = []
+    corrupt = 0
+    truncated = False
+    lines = text.split("\n")
+    last_index = len(lines) - 1
+    for index, line in enumerate(lines):
+        if not line or line.isspace():
+            continue
+        try:
+            values.append(loads(line))
+        except ValueError:
+            corrupt += 1
+            # The last line without a trailing newline is a write cut short by a crash.
+            truncated = truncated or index == last_index
+    return values, corrupt, truncated
 
 
 def parse_metrics_text(text: str) -> ParsedMetrics:
@@ -136,29 +189,16 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
         text: the whole file content.
 
     Returns:
-        The parsed segments, step columns, epoch records and skipped-line counts.
+        The parsed segments, step records, epoch records and skipped-line counts.
     """
-    loads = json.loads
+    values, corrupt, truncated = _decode(text)
     segments: list[_Segment] = []
     current: _Segment | None = None
-    steps: dict[str, list[Any]] = {name: [] for name in (*STEP_FIELDS, "segment")}
-    step_columns = [(name, steps[name].append) for name in STEP_FIELDS]
-    segment_append = steps["segment"].append
+    steps: list[dict[str, Any]] = []
+    step_segments: list[int] = []
     epochs: list[dict[str, Any]] = []
-    corrupt = unsupported = 0
-    truncated = False
-    lines = text.split("\n")
-    last_index = len(lines) - 1
-    for index, line in enumerate(lines):
-        if not line or line.isspace():
-            continue
-        try:
-            record = loads(line)
-        except ValueError:
-            corrupt += 1
-            # The last line without a trailing newline is a write cut short by a crash.
-            truncated = truncated or index == last_index
-            continue
+    unsupported = 0
+    for record in values:
         if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
             corrupt += 1
             continue
@@ -166,6 +206,15 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
             unsupported += 1
             continue
         kind = record["kind"]
+        if kind == "step":
+            if current is None:
+                current = _Segment()
+                segments.append(current)
+            steps.append(record)
+            step_segments.append(len(segments) - 1)
+            current.step_records += 1
+            current.last_step = record.get("step")
+            continue
         if kind == "start":
             current = _Segment(start=record)
             segments.append(current)
@@ -173,16 +222,8 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
         if current is None:
             current = _Segment()
             segments.append(current)
-        segment_index = len(segments) - 1
-        if kind == "step":
-            get = record.get
-            for name, append in step_columns:
-                append(get(name))
-            segment_append(segment_index)
-            current.step_records += 1
-            current.last_step = record.get("step")
-        elif kind == "epoch":
-            epochs.append({**record, "segment": segment_index})
+        if kind == "epoch":
+            epochs.append({**record, "segment": len(segments) - 1})
             if record.get("val_accuracy") is not None:
                 current.last_val_accuracy = record.get("val_accuracy")
         elif kind == "end":
@@ -199,6 +240,7 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
             for seg in segments
         ),
         steps=steps,
+        step_segments=step_segments,
         epochs=tuple(epochs),
         corrupt_lines=corrupt,
         unsupported_lines=unsupported,
@@ -547,8 +589,8 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
                 "metrics_path": str(metrics_file),
             }
         )
-        if parsed.steps["step"]:
-            frame = pd.DataFrame(parsed.steps)
+        if parsed.steps:
+            frame = parsed.steps_frame()
             frame.insert(0, "run_dir", key)
             step_frames.append(frame)
         epoch_rows.extend({"run_dir": key, **e} for e in parsed.epochs)

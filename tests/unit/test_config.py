@@ -60,7 +60,7 @@ def test_spec_round_trip():
 
 def test_int_accepted_for_float_but_not_bool_for_int():
     assert spec_from_dict({"train": {"lr": 1}}).train.lr == 1.0
-    with pytest.raises(ValidationError, match="resources.nodes must be int"):
+    with pytest.raises(ValidationError, match=r"resources\.nodes must be int"):
         spec_from_dict({"resources": {"nodes": True}})
 
 

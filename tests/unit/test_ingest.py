@@ -41,7 +41,7 @@ def test_parse_counts_corrupt_unsupported_and_truncated_lines() -> None:
     )
     parsed = parse_metrics_text(text)
     assert (parsed.corrupt_lines, parsed.unsupported_lines, parsed.truncated) == (4, 1, True)
-    assert parsed.steps["step"] == [1]
+    assert parsed.steps_frame()["step"].tolist() == [1]
     assert len(parsed.segments) == 1
     assert parsed.segments[0]["end"] is None
 
@@ -60,7 +60,7 @@ def test_segments_split_at_each_start_and_records_before_a_start_form_one() -> N
     )
     parsed = parse_metrics_text(text)
     assert [seg["start"] is not None for seg in parsed.segments] == [False, True, True]
-    assert parsed.steps["segment"] == [0, 1, 2]
+    assert parsed.steps_frame()["segment"].tolist() == [0, 1, 2]
     assert [e["segment"] for e in parsed.epochs] == [2]
 
 

@@ -83,5 +83,5 @@ def test_spec_refusals(data, fragment):
 
 
 def test_unknown_profile():
-    with pytest.raises(ValidationError, match="unknown profile 'nope'.*HINT.*cyclone"):
+    with pytest.raises(ValidationError, match=r"unknown profile 'nope'.*HINT.*cyclone"):
         load_profile("nope")
