@@ -117,12 +117,7 @@ class ClusterProfile:
                     f"profile {self.name!r}: environment name {key!r} is not a valid variable name",
                     hint="use letters, digits and '_' only, not starting with a digit",
                 )
-        for directive in self.extra_sbatch:
-            if "\n" in directive or not directive.startswith("--"):
-                raise ValidationError(
-                    f"profile {self.name!r}: extra_sbatch entry {directive!r} is not one '--option=value'",
-                    hint="write each #SBATCH directive as '--option=value' on one line",
-                )
+        _check_directives(f"profile {self.name!r}: extra_sbatch", self.extra_sbatch)
 
     @property
     def default_partition(self) -> Partition:
@@ -282,6 +277,7 @@ class Resources:
         _choice("resources.launcher", self.launcher, LAUNCHERS)
         _safe_token("resources.account", self.account)
         _safe_token("resources.mem", self.mem)
+        _check_directives("resources.extra_sbatch", self.extra_sbatch)
 
 
 @dataclass(frozen=True)
@@ -523,6 +519,15 @@ def _non_negative(where: str, value: int) -> None:
 def _choice(where: str, value: str, valid: tuple[str, ...]) -> None:
     if value not in valid:
         raise ValidationError(f"unknown {where} {value!r}", hint=f"use one of: {', '.join(valid)}")
+
+
+def _check_directives(where: str, directives: tuple[str, ...]) -> None:
+    for directive in directives:
+        if not directive.startswith("--") or not directive.isprintable():
+            raise ValidationError(
+                f"{where} entry {directive!r} is not one '--option=value'",
+                hint="write each extra #SBATCH directive as '--option=value' on one line",
+            )
 
 
 def _safe_token(where: str, value: str) -> None:

@@ -283,7 +283,7 @@ start_slurmdbd() {
   done
   sacctmgr -n -P show cluster >/dev/null 2>&1 || { tail -n 20 "$ROOT/log/slurmdbd.log" >&2; die "slurmdbd did not answer within 30 s"; }
   if ! sacctmgr -n -P show cluster format=cluster | grep -qx "$CLUSTER"; then
-    sacctmgr -i add cluster "$CLUSTER" >/dev/null
+    sacctmgr -i add cluster "$CLUSTER" >/dev/null || true
   fi
 }
 

@@ -31,7 +31,7 @@ def save_figure(fig: Figure, path: PathArg) -> list[Path]:
     paths = [Path(path)] if isinstance(path, str | Path) else [Path(p) for p in path]
     for target in paths:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(target, bbox_inches="tight", metadata=_metadata(target))
+        fig.savefig(target, metadata=_metadata(target))
     return paths
 
 
@@ -44,9 +44,19 @@ def _metadata(target: Path) -> dict[str, str | None]:
 
 def _new_figure() -> tuple[Figure, object]:
     """A Figure on an Agg canvas, and its single Axes."""
-    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    fig = Figure(figsize=(6.4, 4.4))
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot()
+
+
+def _freeze_layout(fig: Figure) -> None:
+    """Lay the figure out once (constrained), then keep those positions for every save.
+
+    Running the layout engine at each ``savefig`` (PNG and SVG) costs more than drawing.
+    """
+    fig.set_layout_engine("constrained")
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")
 
 
 def _series(table: pd.DataFrame) -> list[tuple[str, str, str, pd.DataFrame]]:
@@ -126,6 +136,7 @@ def speedup_figure(
     ax.set_ylabel("speed-up S(N) = T(N) / T(N0)  (x, log2 scale)")
     ax.set_title(title)
     ax.legend(fontsize="small")
+    _freeze_layout(fig)
     save_figure(fig, path)
     return fig
 
@@ -162,6 +173,7 @@ def efficiency_figure(
     ax.set_ylabel("efficiency (% of ideal)")
     ax.set_title(title)
     ax.legend(fontsize="small")
+    _freeze_layout(fig)
     save_figure(fig, path)
     return fig
 
@@ -196,5 +208,6 @@ def throughput_figure(
     ax.set_ylabel(f"throughput per device ({unit} per device)")
     ax.set_title(f"{title} (dotted: baseline N0; bars: min-max over repeats)", fontsize="medium")
     ax.legend(fontsize="small")
+    _freeze_layout(fig)
     save_figure(fig, path)
     return fig

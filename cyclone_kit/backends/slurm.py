@@ -189,4 +189,3 @@ class SlurmBackend:
                     hint="see `scontrol show job " + job_id + "`; a PENDING reason names what it waits for",
                 )
             time.sleep(poll)
-

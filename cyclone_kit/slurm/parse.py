@@ -107,6 +107,14 @@ def parse_duration(text: str) -> int:
     return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
+def _duration(text: str, what: str, raw: str) -> int:
+    """A duration field, failing with the whole raw output quoted."""
+    try:
+        return parse_duration(text)
+    except ParseError:
+        raise _fail(what, raw, f"{text!r} is not a duration") from None
+
+
 def _split_exit(text: str, what: str, raw: str) -> tuple[int, int]:
     """``"3:0"`` -> (exit status 3, signal 0)."""
     match = re.fullmatch(r"(\d+):(\d+)", text.strip())
@@ -166,7 +174,7 @@ def parse_squeue(text: str) -> list[JobInfo]:
                 state=state,
                 nodes=_int(nodes, "squeue node count", text),
                 nodelist=_nodelist(nodelist),
-                elapsed=parse_duration(used),
+                elapsed=_duration(used, "squeue TimeUsed", text),
                 reason=_reason(reason),
                 exit_code=(wait_status >> 8) & 0xFF if finished else None,
                 restart_count=_int(restarts, "squeue restart count", text),
@@ -225,7 +233,8 @@ _SCONTROL_KEY = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/.]*)=")
 def parse_scontrol_fields(record: str) -> dict[str, str]:
     """Split one ``scontrol show job`` record (multi-line or ``-o``) into its Key=Value fields.
 
-    Values may contain spaces (``JobName=my run``) and ``=`` (``TRES=cpu=1,node=1``).
+    Values may contain spaces (``JobName=my run``) and ``=`` (``TRES=cpu=1,node=1``); a value
+    holding a space followed by ``word=`` is ambiguous in scontrol's format and is cut there.
     """
     fields: dict[str, str] = {}
     matches = list(_SCONTROL_KEY.finditer(record))
@@ -264,7 +273,7 @@ def parse_scontrol_job(text: str) -> list[JobInfo]:
                 state=state,
                 nodes=_int(fields["NumNodes"], "scontrol NumNodes", text),
                 nodelist=_nodelist(fields.get("NodeList", "")),
-                elapsed=parse_duration(fields["RunTime"]),
+                elapsed=_duration(fields["RunTime"], "scontrol RunTime", text),
                 reason=_reason(fields.get("Reason", "")),
                 exit_code=code if finished else None,
                 restart_count=_int(fields.get("Restarts", "0"), "scontrol Restarts", text),

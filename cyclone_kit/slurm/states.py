@@ -43,9 +43,7 @@ _TERMINAL = frozenset(
         JobState.OUT_OF_MEMORY,
     }
 )
-_ACTIVE = frozenset(
-    {JobState.PENDING, JobState.RUNNING, JobState.COMPLETING, JobState.SUSPENDED, JobState.REQUEUED}
-)
+_ACTIVE = frozenset({JobState.PENDING, JobState.RUNNING, JobState.COMPLETING, JobState.SUSPENDED, JobState.REQUEUED})
 
 # Every base state of Slurm 22.05 (long name and squeue's %t code) and what it means for a caller.
 _RAW: dict[str, JobState] = {

@@ -181,3 +181,16 @@ def test_non_numeric_fields_become_missing_values_not_errors(tmp_path: Path) -> 
     assert not data.runs["complete"].iloc[0]
     assert data.runs["incomplete_reason"].iloc[0] == "start record has no world_size"
     assert data.steps["step"].isna().all()
+
+
+def test_fast_and_exact_paths_agree() -> None:
+    good = lines(START, {"kind": "step", "step": 1, "loss": 0.25}, {"kind": "end", "status": "completed",
+                                                                       "samples_per_s": 3.5})
+    fast = parse_metrics_text(good)
+    # A line that is two JSON values ("1, 2") must count as one corrupt line, not two records.
+    exact = parse_metrics_text(good + "1, 2\n")
+    assert (fast.corrupt_lines, exact.corrupt_lines) == (0, 1)
+    assert summarize_run(fast)["samples_per_s"] == summarize_run(exact)["samples_per_s"] == 3.5
+    assert fast.steps_frame().equals(exact.steps_frame())
+    crlf = parse_metrics_text(good.replace("\n", "\r\n"))
+    assert (crlf.corrupt_lines, summarize_run(crlf)["complete"]) == (0, True)

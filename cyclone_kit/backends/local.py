@@ -1,0 +1,684 @@
+"""The local launcher: N real rank processes on this machine, each with a Slurm-like environment.
+
+Every rank gets the variables ``srun`` would give it (SLURM_PROCID, SLURM_LOCALID,
+SLURM_NODEID, SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE in its ``2(x2)``
+form, SLURM_STEP_ID, a fake SLURM_JOB_ID) plus MASTER_ADDR=127.0.0.1 and a free
+MASTER_PORT, so the runtime takes the very bootstrap path it takes under Slurm. All "nodes"
+are this host: one node is ``localhost``, several are ``127.0.0.1``, ``127.0.0.2`` ...
+(hostnames that resolve to loopback, the first one being the rendezvous host).
+
+Each rank runs in its own process group, writing ``logs/rank-N.out`` / ``.err`` in the run
+directory. When a rank fails, the others are stopped within seconds (SIGTERM to each
+process group, SIGKILL after a grace period), the first failure is reported first (rank,
+host, exit code or signal, last lines of its stderr, its error record when it wrote one) and
+written to ``failure.json``; Ctrl-C or SIGTERM to the launcher stops every rank the same way
+(torchrun's ChildFailedError / ``@record`` idea).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from cyclone_kit.errors import RankFailure, ValidationError
+from cyclone_kit.rundir import write_atomic
+
+#: Variables of an enclosing launcher that must not leak into the ranks (they would win detection).
+_FOREIGN_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "SALLOC_", "OMPI_", "PMI_", "PMIX_", "SUBMITIT_",
+                     "TORCHELASTIC_")
+_FOREIGN_NAMES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                            "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "CYCLONE_RUN_DIR"})
+#: Seconds between SIGTERM and SIGKILL when stopping ranks.
+GRACE_S = 5.0
+STDERR_TAIL_LINES = 20
+FAILURE_FILE = "failure.json"
+LAUNCH_FILE = "launch.json"
+
+
+# --------------------------------------------------------------------------- pure helpers
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def threads_per_rank(nproc: int, cores: int) -> int:
+    """Torch threads per rank: the cores shared evenly, at least 1 (pure)."""
+    return max(1, cores // max(1, nproc))
+
+
+def fake_hosts(nodes: int) -> list[str]:
+    """Host names for ``nodes`` pretend nodes of this machine: all resolve to loopback (pure)."""
+    if nodes == 1:
+        return ["localhost"]
+    return [f"127.0.0.{i + 1}" for i in range(nodes)]
+
+
+def nodelist_string(hosts: Sequence[str]) -> str:
+    """The hosts as a Slurm hostlist (``localhost`` or ``127.0.0.[1-2]``; pure)."""
+    if len(hosts) == 1:
+        return hosts[0]
+    if all(h.startswith("127.0.0.") for h in hosts):
+        last = [int(h.rsplit(".", 1)[1]) for h in hosts]
+        if last == list(range(last[0], last[0] + len(last))):
+            return f"127.0.0.[{last[0]}-{last[-1]}]"
+    return ",".join(hosts)
+
+
+def tasks_per_node_string(per_node: int, nodes: int) -> str:
+    """SLURM_TASKS_PER_NODE for an even layout: ``2`` or ``2(x3)`` (pure)."""
+    return str(per_node) if nodes == 1 else f"{per_node}(x{nodes})"
+
+
+def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without an enclosing launcher's variables (Slurm, torchrun, MPI, submitit; pure)."""
+    return {k: v for k, v in environ.items() if not k.startswith(_FOREIGN_PREFIXES) and k not in _FOREIGN_NAMES}
+
+
+def rank_environments(
+    nproc: int,
+    nodes: int,
+    *,
+    job_id: str,
+    master_port: int,
+    threads: int,
+    run_dir: Path | str,
+    job_name: str = "cyclone",
+    base: Mapping[str, str] | None = None,
+) -> list[dict[str, str]]:
+    """The environment of every rank, as srun would set it for ``nodes`` x ``nproc/nodes`` tasks (pure).
+
+    Raises:
+        ValidationError: ``nproc`` is not a positive multiple of ``nodes``.
+    """
+    if nodes < 1 or nproc < 1:
+        raise ValidationError(f"--nproc={nproc} --nodes={nodes}: both must be at least 1", hint="e.g. --nproc 2")
+    if nproc % nodes:
+        raise ValidationError(
+            f"--nproc={nproc} does not split evenly over --nodes={nodes}",
+            hint=f"use --nproc as a multiple of {nodes}, e.g. --nproc {nodes * max(1, nproc // nodes)}",
+        )
+    per_node = nproc // nodes
+    hosts = fake_hosts(nodes)
+    nodelist = nodelist_string(hosts)
+    tpn = tasks_per_node_string(per_node, nodes)
+    common = {
+        **clean_environment(base or {}),
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOBID": job_id,
+        "SLURM_JOB_NAME": job_name,
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_NODELIST": nodelist,
+        "SLURM_JOB_NUM_NODES": str(nodes),
+        "SLURM_NNODES": str(nodes),
+        "SLURM_NTASKS": str(nproc),
+        "SLURM_NPROCS": str(nproc),
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "SLURM_TASKS_PER_NODE": tpn,
+        "SLURM_JOB_CPUS_PER_NODE": tasks_per_node_string(per_node * threads, nodes),
+        "SLURM_CPUS_PER_TASK": str(threads),
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEPID": "0",
+        "SLURM_STEP_NODELIST": nodelist,
+        "SLURM_STEP_NUM_NODES": str(nodes),
+        "SLURM_STEP_NUM_TASKS": str(nproc),
+        "SLURM_STEP_TASKS_PER_NODE": tpn,
+        "SLURM_SUBMIT_DIR": os.getcwd(),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+        "CYCLONE_RUN_DIR": str(run_dir),
+        "CYCLONE_LAUNCHER": "local",
+    }
+    envs = []
+    for rank in range(nproc):
+        node = rank // per_node
+        envs.append({
+            **common,
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank % per_node),
+            "SLURM_NODEID": str(node),
+            "SLURMD_NODENAME": hosts[node],
+            "SLURM_TOPOLOGY_ADDR": hosts[node],
+        })
+    return envs
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def new_job_id() -> str:
+    """A fake, numeric Slurm job id for a local run (``9`` + 8 random digits)."""
+    return str(900_000_000 + secrets.randbelow(100_000_000))
+
+
+def signal_name(returncode: int | None) -> str | None:
+    """``SIGKILL`` for a return code of -9, else None (pure)."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank ended.
+
+    Attributes:
+        rank: global rank.
+        host: the pretend node it ran on.
+        pid: its process id (also its process-group id).
+        returncode: exit status; negative: killed by that signal; None: still unknown.
+        elapsed_s: seconds from launch to its exit.
+        stopped: True when the launcher itself stopped it (after another rank's failure or Ctrl-C).
+    """
+
+    rank: int
+    host: str
+    pid: int
+    returncode: int | None
+    elapsed_s: float
+    stopped: bool = False
+
+    @property
+    def failed(self) -> bool:
+        """True when it ended by itself with a non-zero status."""
+        return not self.stopped and self.returncode not in (0, None)
+
+    @property
+    def how(self) -> str:
+        """``exit code 1`` or ``killed by SIGKILL``."""
+        sig = signal_name(self.returncode)
+        return f"killed by {sig}" if sig else f"exit code {self.returncode}"
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What a local launch produced.
+
+    Attributes:
+        job_id: the fake SLURM_JOB_ID the ranks saw.
+        run_dir: the run directory.
+        exits: every rank's :class:`RankExit`, in rank order.
+        first_failure: the root cause (the first rank that failed by itself), or None.
+        interrupted: the launcher was interrupted (Ctrl-C / SIGTERM) and stopped the ranks.
+        wall_time_s: seconds from the first start to the last exit.
+        stop_s: seconds from the first failure (or interrupt) until every rank was gone.
+    """
+
+    job_id: str
+    run_dir: Path
+    exits: tuple[RankExit, ...]
+    first_failure: RankExit | None
+    interrupted: bool
+    wall_time_s: float
+    stop_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when every rank exited 0."""
+        return self.first_failure is None and not self.interrupted
+
+    @property
+    def returncode(self) -> int:
+        """0, 130 after an interrupt, else 1."""
+        return 0 if self.ok else (130 if self.interrupted and self.first_failure is None else 1)
+
+
+def root_cause_line(failure: RankExit, error: Mapping[str, Any] | None = None) -> str:
+    """One line naming the first failure: rank, host, exit code or signal, error type (pure)."""
+    line = f"rank {failure.rank} on host {failure.host} (pid {failure.pid}) {failure.how} after {failure.elapsed_s:.1f} s"
+    if error and (error.get("type") or error.get("message")):
+        message = " ".join(str(error.get("message", "")).split())
+        line += f": {error.get('type', 'Error')}: {message[:300]}"
+    return line
+
+
+def tail_lines(path: Path, n: int = STDERR_TAIL_LINES, max_bytes: int = 64_000) -> list[str]:
+    """The last ``n`` lines of a text file ([] when it is missing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", errors="replace").splitlines()[-n:]
+
+
+def read_error_record(run_dir: Path, rank: int) -> dict[str, Any] | None:
+    """The rank's own error record (``ranks/error-rank-NNNNN.json``), when it wrote one."""
+    path = Path(run_dir) / "ranks" / f"error-rank-{rank:05d}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def failure_record(result: LaunchResult) -> dict[str, Any]:
+    """The ``failure.json`` document for a failed or interrupted launch."""
+    first = result.first_failure
+    ranks = [
+        {"rank": e.rank, "host": e.host, "pid": e.pid, "exit_code": e.returncode, "signal": signal_name(e.returncode),
+         "elapsed_s": round(e.elapsed_s, 3), "stopped_by_launcher": e.stopped}
+        for e in result.exits
+    ]
+    doc: dict[str, Any] = {
+        "schema": 1,
+        "kind": "failure",
+        "launcher": "local",
+        "job_id": result.job_id,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "stop_s": None if result.stop_s is None else round(result.stop_s, 3),
+        "ranks": ranks,
+    }
+    if first is None:
+        doc.update(cause="interrupted", summary="interrupted: the launcher was stopped (Ctrl-C or SIGTERM) "
+                   "and stopped every rank", rank=None, host=None)
+        return doc
+    error = read_error_record(result.run_dir, first.rank)
+    doc.update(
+        cause="rank_failed",
+        summary=root_cause_line(first, error),
+        rank=first.rank,
+        host=first.host,
+        pid=first.pid,
+        exit_code=first.returncode,
+        signal=signal_name(first.returncode),
+        elapsed_s=round(first.elapsed_s, 3),
+        stderr_log=f"logs/rank-{first.rank}.err",
+        stderr_tail=tail_lines(Path(result.run_dir) / "logs" / f"rank-{first.rank}.err"),
+        error_record=error,
+    )
+    return doc
+
+
+def format_failure(result: LaunchResult) -> str:
+    """The human report of a failed launch, root cause first (several lines)."""
+    doc = failure_record(result)
+    lines = [f"error: {doc['summary']}"]
+    if doc.get("stderr_tail"):
+        lines.append(f"--- last lines of {result.run_dir / 'logs' / ('rank-%d.err' % doc['rank'])} ---")
+        lines += [f"  {line}" for line in doc["stderr_tail"]]
+        lines.append("---")
+    others = [e for e in result.exits if e is not result.first_failure]
+    for e in others:
+        lines.append(f"rank {e.rank} on {e.host}: {e.how}" + (" (stopped by the launcher)" if e.stopped else ""))
+    if result.stop_s is not None:
+        lines.append(f"all ranks gone {result.stop_s:.1f} s after the first failure")
+    lines.append(f"failure record: {Path(result.run_dir) / FAILURE_FILE}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the launcher
+class _Interrupted(Exception):
+    """SIGTERM/SIGINT reached the launcher."""
+
+
+def launch(
+    run_dir: Path | str,
+    nproc: int,
+    nodes: int = 1,
+    *,
+    threads: int | None = None,
+    command: Sequence[str] | None = None,
+    job_name: str = "cyclone",
+    grace_s: float = GRACE_S,
+    timeout_s: float | None = None,
+    echo: IO[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
+) -> LaunchResult:
+    """Start ``nproc`` ranks over ``nodes`` pretend nodes of this host and wait for them.
+
+    Args:
+        run_dir: the run directory (holds ``spec.json``; gets ``logs/``, ``launch.json`` and, on
+            failure, ``failure.json``).
+        nproc: total ranks.
+        nodes: pretend nodes (``nproc`` must be a multiple).
+        threads: torch threads per rank (default: the cores shared evenly, at least 1).
+        command: what each rank runs (default: ``python -m cyclone_kit.runtime --run-dir DIR``).
+        job_name: SLURM_JOB_NAME.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
+        timeout_s: stop every rank after this many seconds (treated as an interrupt).
+        echo: a stream that receives rank 0's stdout as it is written (None: silent).
+        environ: the base environment (default ``os.environ``; an enclosing launcher's
+            variables are removed).
+        on_start: called with the rank processes once all are started.
+
+    Returns:
+        The :class:`LaunchResult`; ``failure.json`` is written when it is not ok.
+    """
+    run_dir = Path(run_dir).absolute()
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    threads = threads or threads_per_rank(nproc, available_cores())
+    job_id = new_job_id()
+    envs = rank_environments(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads,
+                             run_dir=run_dir, job_name=job_name, base=os.environ if environ is None else environ)
+    argv = list(command) if command else [sys.executable, "-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)]
+
+    procs: list[subprocess.Popen[bytes]] = []
+    files: list[IO[bytes]] = []
+    exits: dict[int, RankExit] = {}
+    stopping: set[int] = set()
+    events: queue.Queue[tuple[int, int, float]] = queue.Queue()
+    started = time.monotonic()
+    first_failure: RankExit | None = None
+    interrupted = False
+    stop_began: float | None = None
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise _Interrupted(signal.Signals(signum).name)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    follower = _Follower(logs / "rank-0.out", echo) if echo is not None else None
+    try:
+        try:
+            for rank, env in enumerate(envs):
+                out = open(logs / f"rank-{rank}.out", "ab")  # noqa: SIM115 (closed in finally)
+                err = open(logs / f"rank-{rank}.err", "ab")  # noqa: SIM115
+                files += [out, err]
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                        start_new_session=True)
+                procs.append(proc)
+                threading.Thread(target=_reap, args=(rank, proc, events), daemon=True).start()
+            _write_launch_record(run_dir, job_id, procs, envs, threads, argv)
+            if on_start is not None:
+                on_start(procs)
+            deadline = None if timeout_s is None else started + timeout_s
+            while len(exits) < len(procs):
+                if follower is not None:
+                    follower.pump()
+                try:
+                    rank, code, when = events.get(timeout=0.1)
+                except queue.Empty:
+                    if deadline is not None and time.monotonic() > deadline and not interrupted:
+                        interrupted = True
+                        stop_began = time.monotonic()
+                        stopping.update(r for r in range(len(procs)) if r not in exits)
+                        _terminate(procs, stopping, exits)
+                    elif stop_began is not None and time.monotonic() - stop_began > grace_s:
+                        _kill(procs, exits)
+                    continue
+                exit_ = RankExit(rank, envs[rank]["SLURMD_NODENAME"], procs[rank].pid, code, when - started,
+                                 stopped=rank in stopping)
+                exits[rank] = exit_
+                if exit_.failed and first_failure is None and not interrupted:
+                    first_failure = exit_
+                    stop_began = time.monotonic()
+                    stopping.update(r for r in range(len(procs)) if r not in exits)
+                    _terminate(procs, stopping, exits)
+        except (_Interrupted, KeyboardInterrupt):
+            interrupted = True
+            stop_began = stop_began or time.monotonic()
+            # Ignore further Ctrl-C while the ranks are being stopped: a second one must not orphan them.
+            for sig in previous:
+                signal.signal(sig, signal.SIG_IGN)
+            stopping.update(r for r in range(len(procs)) if r not in exits)
+            _terminate(procs, stopping, exits)
+            _drain(procs, events, exits, envs, stopping, started, grace_s)
+    finally:
+        # Whatever happened: no rank, and nothing a rank started in its group, outlives the launcher.
+        for rank, proc in enumerate(procs):
+            if rank not in exits:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                exits[rank] = RankExit(rank, envs[rank]["SLURMD_NODENAME"], proc.pid, proc.returncode,
+                                       time.monotonic() - started, stopped=True)
+        _kill_leftovers(procs)
+        if follower is not None:
+            follower.pump()
+            follower.close()
+        for f in files:
+            f.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    ended = time.monotonic()
+    result = LaunchResult(
+        job_id=job_id,
+        run_dir=run_dir,
+        exits=tuple(exits[r] for r in sorted(exits)),
+        first_failure=first_failure,
+        interrupted=interrupted,
+        wall_time_s=ended - started,
+        stop_s=None if stop_began is None else max(e.elapsed_s for e in exits.values()) - (stop_began - started),
+    )
+    if not result.ok:
+        write_atomic(run_dir / FAILURE_FILE, json.dumps(failure_record(result), indent=2) + "\n")
+    return result
+
+
+def _reap(rank: int, proc: subprocess.Popen[bytes], events: queue.Queue[tuple[int, int, float]]) -> None:
+    """Wait for one rank and post (rank, status, time) the moment it exits (exact exit order)."""
+    code = proc.wait()
+    events.put((rank, code, time.monotonic()))
+
+
+def _terminate(procs: Sequence[subprocess.Popen[bytes]], ranks: set[int], exits: Mapping[int, RankExit]) -> None:
+    """SIGTERM the process group of every listed rank that is still running."""
+    for rank in sorted(ranks):
+        if rank not in exits:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(procs[rank].pid, signal.SIGTERM)
+
+
+def _kill(procs: Sequence[subprocess.Popen[bytes]], exits: Mapping[int, RankExit]) -> None:
+    """SIGKILL the process group of every rank still running."""
+    for rank, proc in enumerate(procs):
+        if rank not in exits:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _drain(
+    procs: Sequence[subprocess.Popen[bytes]],
+    events: queue.Queue[tuple[int, int, float]],
+    exits: dict[int, RankExit],
+    envs: Sequence[Mapping[str, str]],
+    stopping: set[int],
+    started: float,
+    grace_s: float,
+) -> None:
+    """Collect exits after an interrupt: SIGTERM was sent; SIGKILL once ``grace_s`` has passed."""
+    deadline = time.monotonic() + grace_s
+    killed = False
+    while len(exits) < len(procs):
+        try:
+            rank, code, when = events.get(timeout=0.1)
+        except queue.Empty:
+            if not killed and time.monotonic() > deadline:
+                _kill(procs, exits)
+                killed = True
+            continue
+        exits[rank] = RankExit(rank, envs[rank]["SLURMD_NODENAME"], procs[rank].pid, code, when - started,
+                               stopped=rank in stopping)
+
+
+def _kill_leftovers(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL whatever is left in the ranks' process groups (e.g. data-loader workers)."""
+    groups = {p.pid for p in procs}
+    for pid, pgid in _process_groups():
+        if pgid in groups and pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _process_groups() -> list[tuple[int, int]]:
+    """(pid, process group) of every process, from /proc ([] where /proc is missing)."""
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[0] != "Z":
+            out.append((int(entry.name), int(fields[2])))
+    return out
+
+
+def _write_launch_record(
+    run_dir: Path,
+    job_id: str,
+    procs: Sequence[subprocess.Popen[bytes]],
+    envs: Sequence[Mapping[str, str]],
+    threads: int,
+    argv: Sequence[str],
+) -> None:
+    """``launch.json``: the fake job id and every rank's pid and host (for ``status`` and for tests)."""
+    doc = {
+        "schema": 1,
+        "kind": "launch",
+        "launcher": "local",
+        "job_id": job_id,
+        "nodelist": envs[0]["SLURM_JOB_NODELIST"],
+        "master": f"{envs[0]['MASTER_ADDR']}:{envs[0]['MASTER_PORT']}",
+        "threads_per_rank": threads,
+        "command": list(argv),
+        "ranks": [{"rank": r, "pid": p.pid, "host": envs[r]["SLURMD_NODENAME"]} for r, p in enumerate(procs)],
+    }
+    write_atomic(run_dir / LAUNCH_FILE, json.dumps(doc, indent=2) + "\n")
+
+
+class _Follower:
+    """Copies what a rank appends to its log onto a stream (rank 0's output on the terminal)."""
+
+    def __init__(self, path: Path, stream: IO[str]) -> None:
+        self.path = path
+        self.stream = stream
+        self.handle: IO[bytes] | None = None
+
+    def pump(self) -> None:
+        if self.handle is None:
+            try:
+                self.handle = open(self.path, "rb")  # noqa: SIM115 (closed in close())
+            except OSError:
+                return
+        data = self.handle.read()
+        if data:
+            with contextlib.suppress(OSError, ValueError):
+                self.stream.write(data.decode("utf-8", errors="replace"))
+                self.stream.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+# --------------------------------------------------------------------------- the backend
+class LocalBackend:
+    """``--backend local``: run the job right here, in the foreground, with the local launcher.
+
+    The world size and node count come from the resolved job; torch threads per rank are the
+    cores of this machine shared evenly.
+    """
+
+    name = "local"
+
+    def __init__(self, *, echo: IO[str] | None = None, grace_s: float = GRACE_S) -> None:
+        self.echo = sys.stdout if echo is None else echo
+        self.grace_s = grace_s
+
+    def submit_run(self, job: Any, run_dir: Path) -> str:
+        """Run ``job`` in ``run_dir`` until it ends; return its (fake) job id.
+
+        Raises:
+            RankFailure: a rank failed or the run was interrupted; the message is the root cause
+                line, ``failure.json`` holds the details, the full report went to stderr.
+        """
+        run_dir = Path(run_dir)
+        nproc, nodes = job.world_size, job.nodes
+        threads = threads_per_rank(nproc, available_cores())
+        _set_spec_threads(run_dir / "spec.json", threads)
+        result = launch(run_dir, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
+                        grace_s=self.grace_s)
+        write_atomic(run_dir / "job_id", result.job_id + "\n")
+        write_atomic(run_dir / "backend", "local\n")
+        if not result.ok:
+            sys.stderr.write(format_failure(result) + "\n")
+            raise RankFailure(
+                failure_record(result)["summary"],
+                hint=f"see {run_dir / FAILURE_FILE} and {run_dir / 'logs'}",
+            )
+        return result.job_id
+
+    def status(self, job_id: str) -> Any:  # pragma: no cover - a foreground run has finished when submit returns
+        """Local runs finish before submit_run returns; there is nothing to ask."""
+        raise ValidationError(f"local job {job_id} ran in the foreground and has finished",
+                              hint="look at its run directory (metrics.jsonl, failure.json, logs/)")
+
+    def cancel(self, job_id: str) -> None:  # pragma: no cover - see status
+        """Local runs stop with Ctrl-C; there is nothing to cancel afterwards."""
+        raise ValidationError(f"local job {job_id} ran in the foreground and has finished",
+                              hint="stop a local run with Ctrl-C while it runs")
+
+
+def _set_spec_threads(spec_path: Path, threads: int) -> None:
+    """Record the threads per rank this machine gives each rank in ``spec.json`` (cpus_per_task)."""
+    try:
+        data = json.loads(spec_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    resources = data.get("resources")
+    if isinstance(resources, dict) and resources.get("cpus_per_task") != threads:
+        data["resources"] = {**resources, "cpus_per_task": threads}
+        write_atomic(spec_path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None) -> Any:
+    """A ResolvedJob for ``run``: ``nproc`` CPU ranks on ``nodes`` pretend nodes, no profile checks.
+
+    The spec's resources are rewritten to what actually runs (nodes, tasks per node, no GPUs
+    requested, ``threads`` CPUs per task); its profile name is kept for the record.
+
+    Raises:
+        ValidationError: ``nproc`` does not split evenly over ``nodes``.
+    """
+    from cyclone_kit.config import ClusterProfile, Partition
+    from cyclone_kit.validate import ResolvedJob
+    from cyclone_kit.walltime import parse_time
+
+    if nproc < 1 or nodes < 1 or nproc % nodes:
+        rank_environments(nproc, nodes, job_id="0", master_port=0, threads=1, run_dir=".")  # raises the error
+    per_node = nproc // nodes
+    threads = threads or threads_per_rank(nproc, available_cores())
+    res = dataclasses.replace(spec.resources, nodes=nodes, ntasks_per_node=per_node, gpus_per_node=0,
+                              cpus_per_task=threads, partition="", account="")
+    spec = dataclasses.replace(spec, resources=res)
+    part = Partition(name="localhost", nodes=nodes, cpus_per_node=per_node * threads, max_time=res.time)
+    profile = ClusterProfile(name="localhost", partitions=(part,), description="this machine (local launcher)")
+    return ResolvedJob(spec, profile, part, nodes, 0, per_node, threads, parse_time(res.time), "")

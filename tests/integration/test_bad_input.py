@@ -1,0 +1,117 @@
+"""Bad input, table-driven: every case exits 2 with exactly one error line that has a HINT,
+no traceback, and leaves no run directory behind.
+
+Each case is (id, files to write, argv, environment); ``{d}`` in argv or file contents is the
+test's temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import REPO
+
+SMOKE = str(REPO / "jobs" / "smoke.toml")
+GOOD_PROFILE = '[partitions.gpu]\nnodes = 2\ncpus_per_node = 8\ngpus_per_node = 4\ndefault = true\n'
+
+CASES: list[tuple[str, dict[str, str], list[str], dict[str, str]]] = [
+    # ---- CLI flags
+    ("nodes-zero", {}, ["submit", "--nodes", "0", "--dry-run"], {}),
+    ("nodes-negative", {}, ["submit", "--nodes", "-3", "--dry-run"], {}),
+    ("nodes-not-int", {}, ["submit", "--nodes", "four", "--dry-run"], {}),
+    ("nodes-too-many", {}, ["submit", "--nodes", "99", "--dry-run"], {}),
+    ("gpus-too-many", {}, ["submit", "--gpus-per-node", "8", "--dry-run"], {}),
+    ("tasks-not-gpus", {}, ["submit", "--ntasks-per-node", "3", "--dry-run"], {}),
+    ("cpus-too-many", {}, ["submit", "--cpus-per-task", "11", "--dry-run"], {}),
+    ("cpus-zero", {}, ["submit", "--cpus-per-task", "0", "--dry-run"], {}),
+    ("time-malformed", {}, ["submit", "--time", "1:2:3:4", "--dry-run"], {}),
+    ("time-letters", {}, ["submit", "--time", "2h", "--dry-run"], {}),
+    ("time-too-long", {}, ["submit", "--time", "2-00:00:00", "--dry-run"], {}),
+    ("time-zero", {}, ["submit", "--time", "0", "--dry-run"], {}),
+    ("time-bad-minutes", {}, ["submit", "--time", "01:75:00", "--dry-run"], {}),
+    ("unknown-partition", {}, ["submit", "--partition", "bigmem", "--dry-run"], {}),
+    ("unknown-profile", {}, ["submit", "--profile", "nope", "--dry-run"], {}),
+    ("unknown-launcher", {}, ["submit", "--launcher", "mpirun", "--dry-run"], {}),
+    ("unknown-flag", {}, ["submit", "--nodez", "2"], {}),
+    ("unknown-command", {}, ["frobnicate"], {}),
+    ("account-injection", {}, ["submit", "--account", "p1;rm -rf /", "--dry-run"], {}),
+    ("account-missing-real-submit", {}, ["submit", "--nodes", "1", "--runs-dir", "{d}/runs"], {}),
+    ("name-hostile", {}, ["submit", "--name", "x$(id)", "--dry-run"], {}),
+    # ---- --set
+    ("set-no-equals", {}, ["submit", "--set", "train.lr", "--dry-run"], {}),
+    ("set-empty-key", {}, ["submit", "--set", "=3", "--dry-run"], {}),
+    ("set-unknown-key", {}, ["submit", "--set", "train.nope=1", "--dry-run"], {}),
+    ("set-unknown-section", {}, ["submit", "--set", "optim.lr=1", "--dry-run"], {}),
+    ("set-wrong-type", {}, ["submit", "--set", "train.steps=lots", "--dry-run"], {}),
+    ("set-bool-for-int", {}, ["submit", "--set", "resources.nodes=true", "--dry-run"], {}),
+    ("set-unknown-model", {}, ["submit", "--set", "model=alexnet9", "--dry-run"], {}),
+    ("set-unknown-dataset", {}, ["submit", "--set", "dataset=imagenet22k", "--dry-run"], {}),
+    ("set-negative-lr", {}, ["submit", "--set", "lr=-0.1", "--dry-run"], {}),
+    ("set-bad-signal", {}, ["submit", "--set", "checkpoint.signal=KILL", "--dry-run"], {}),
+    ("set-extra-sbatch-newline", {}, ["submit", "--set", 'resources.extra_sbatch=["--qos=a\\nrm"]', "--dry-run"], {}),
+    # ---- job spec files
+    ("spec-missing", {}, ["submit", "{d}/nope.toml", "--dry-run"], {}),
+    ("spec-is-directory", {}, ["submit", "{d}", "--dry-run"], {}),
+    ("spec-malformed-toml", {"bad.toml": "[train\nlr = 0.1\n"}, ["submit", "{d}/bad.toml", "--dry-run"], {}),
+    ("spec-not-utf8", {"bin.toml": "\udcff"}, ["submit", "{d}/bin.toml", "--dry-run"], {}),
+    ("spec-unknown-top-key", {"s.toml": "optimizer = 'sgd'\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-unknown-train-key", {"s.toml": "[train]\nlearning_rate = 0.1\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-wrong-type", {"s.toml": "[train]\nbatch_size = '64'\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-section-not-table", {"s.toml": "train = 3\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-zero-steps", {"s.toml": "[train]\nsteps = 0\nepochs = 0\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-negative-batch", {"s.toml": "[train]\nbatch_size = -1\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-cifar-no-dir", {"s.toml": "[train]\ndataset = 'cifar10'\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-bad-name", {"s.toml": "name = 'my job'\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-name-not-string", {"s.toml": "name = 3\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-huge-signal-lead", {"s.toml": "[checkpoint]\nsignal_lead_s = 100000\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    # ---- profiles
+    ("profile-missing-file", {}, ["submit", "--profile", "{d}/nope.toml", "--dry-run"], {}),
+    ("profile-malformed", {"p.toml": "[partitions.gpu\n"}, ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-no-partitions", {"p.toml": "name = 'x'\n"}, ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-unknown-key", {"p.toml": GOOD_PROFILE + "colour = 'red'\n"},
+     ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-unknown-partition-key", {"p.toml": GOOD_PROFILE + "gpus = 4\n"},
+     ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-zero-nodes", {"p.toml": "[partitions.gpu]\nnodes = 0\ncpus_per_node = 8\n"},
+     ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-bad-max-time", {"p.toml": "[partitions.gpu]\nnodes = 1\ncpus_per_node = 8\nmax_time = 'forever'\n"},
+     ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-two-defaults", {"p.toml": GOOD_PROFILE + "[partitions.b]\nnodes = 1\ncpus_per_node = 1\ndefault = true\n"},
+     ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-bad-env-name", {"p.toml": "[env]\n'A-B' = '1'\n" + GOOD_PROFILE},
+     ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-bad-gpu-request", {"p.toml": "gpu_request = 'gpus'\n" + GOOD_PROFILE},
+     ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),
+    ("profile-show-unknown", {}, ["profiles", "nope"], {}),
+    # ---- run directories
+    ("runs-dir-is-a-file", {"afile": "x"}, ["submit", "--profile", "local", "--runs-dir", "{d}/afile/runs"], {}),
+    ("status-missing-run-dir", {}, ["status", "{d}/no-such-run"], {}),
+    ("status-not-a-run-dir", {"x/readme": "x"}, ["status", "{d}/x"], {}),
+    ("logs-unknown-job", {}, ["logs", "999999", "--runs-dir", "{d}"], {}),
+    ("cancel-not-submitted", {"r/spec.json": "{}"}, ["cancel", "{d}/r"], {}),
+]
+
+
+@pytest.mark.parametrize(("files", "argv", "env"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_one_hint_line(files, argv, env, tmp_path, cli):
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    before = {p for p in tmp_path.rglob("*")}
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    result = cli(*argv, cwd=tmp_path, env={k: v.replace("{d}", str(tmp_path)) for k, v in env.items()}, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and "HINT" in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+    assert {p for p in tmp_path.rglob("*")} == before, "a failed command must not leave files behind"
+    assert not (tmp_path / "runs").exists()
+    assert not os.path.exists(REPO / "runs" / "never")
+
+
+def test_case_count():
+    assert len(CASES) >= 40
