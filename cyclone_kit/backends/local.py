@@ -325,7 +325,8 @@ def format_failure(result: LaunchResult) -> str:
     doc = failure_record(result)
     lines = [f"error: {doc['summary']}"]
     if doc.get("stderr_tail"):
-        lines.append(f"--- last lines of {result.run_dir / 'logs' / ('rank-%d.err' % doc['rank'])} ---")
+        err_log = Path(result.run_dir) / doc["stderr_log"]
+        lines.append(f"--- last lines of {err_log} ---")
         lines += [f"  {line}" for line in doc["stderr_tail"]]
         lines.append("---")
     others = [e for e in result.exits if e is not result.first_failure]

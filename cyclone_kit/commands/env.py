@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     device = _device(env)
     record = {
         **env.to_dict(),
+        "host": env.host or socket.gethostname(),
         "device": device.torch_device,
         "device_kind": device.kind,
         "device_name": device.name,

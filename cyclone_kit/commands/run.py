@@ -1,0 +1,68 @@
+"""``run``: train right here with N local rank processes that see a Slurm-like environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``run``."""
+    from cyclone_kit.jobspec import add_job_arguments
+
+    p = sub.add_parser(
+        "run",
+        help="run a job on this machine with N local ranks (Slurm-like environment, gloo on CPU)",
+        description="Start N real rank processes on this machine, each with the environment srun would give "
+        "it (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, ...), MASTER_ADDR=127.0.0.1 and a free "
+        "MASTER_PORT, so the same bootstrap path as on the cluster runs. No cluster profile checks. "
+        "If a rank dies the others are stopped within seconds, the first failure is printed first and "
+        "written to RUN_DIR/failure.json. Ctrl-C stops every rank.",
+    )
+    add_job_arguments(p, with_resources=False)
+    p.add_argument("--nproc", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="pretend nodes (all on this host; --nproc must be a multiple; default 1)")
+    p.add_argument("--threads", type=int, help="torch threads per rank (default: this machine's cores / --nproc)")
+    p.add_argument("--runs-dir", default="runs", help="where run directories are created (default: ./runs)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this many seconds")
+    p.add_argument("--quiet", action="store_true", help="do not echo rank 0's output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
+    from cyclone_kit.backends.local import FAILURE_FILE, format_failure, launch, local_job
+    from cyclone_kit.config import spec_from_dict, spec_to_dict
+    from cyclone_kit.errors import ValidationError
+    from cyclone_kit.jobspec import spec_dict_from_args
+    from cyclone_kit.rundir import create_run_dir, write_atomic
+
+    for flag in ("nproc", "nodes", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValidationError(f"--{flag}={value} must be at least 1", hint=f"e.g. --{flag} 2")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValidationError(f"--timeout={args.timeout:g} must be positive", hint="e.g. --timeout 600")
+    spec = spec_from_dict(spec_dict_from_args(args))
+    job = local_job(spec, args.nproc, args.nodes, args.threads)
+
+    run_dir = create_run_dir(Path(args.runs_dir).absolute(), job.spec.name,
+                             {"spec.json": json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n"})
+    print(f"run dir: {run_dir}")
+    print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
+          f"logs in {run_dir / 'logs'}", flush=True)
+    result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
+                    timeout_s=args.timeout, echo=None if args.quiet else sys.stdout)
+    write_atomic(run_dir / "job_id", result.job_id + "\n")
+    write_atomic(run_dir / "backend", "local\n")
+    if result.ok:
+        print(f"completed in {result.wall_time_s:.1f} s; metrics: {run_dir / 'metrics.jsonl'}")
+        return 0
+    if result.first_failure is None:
+        sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {run_dir / FAILURE_FILE}\n")
+        return result.returncode
+    sys.stderr.write(format_failure(result) + "\n")
+    return result.returncode
