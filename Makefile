@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup data slurm-up slurm-down demo test unit lint bench golden clean
+.PHONY: setup data slurm-up slurm-down horovod demo test unit lint bench golden clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ slurm-up:
 slurm-down:
 	@bash scripts/local-slurm.sh stop
 
+# Horovod (optional, issue 8): built once per machine from the PyPI sdist against the venv's torch,
+# cached as a wheel (~10 min the first time, seconds after). If it cannot be built, its tests skip.
+horovod: setup
+	@VENV=$(VENV) bash scripts/build-horovod.sh || echo "note: Horovod not built; Horovod tests will be skipped"
+
 demo: setup data
 	bash scripts/demo.sh
 
@@ -40,9 +45,10 @@ lint: setup
 unit: setup
 	$(PY) -m pytest -q tests/unit
 
-test: setup data slurm-up
+# As root (CI) the Slurm tier must run: CK_REQUIRE_SLURM=1 turns its skips into failures.
+test: setup data slurm-up horovod
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -ra
+	CK_REQUIRE_SLURM=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0) $(PY) -m pytest -q -ra
 
 bench: setup
 	$(PY) bench/run_all.py

@@ -10,6 +10,7 @@ A sweep spec is a TOML file::
     # or: world_sizes = [1, 2, 4]   # packed onto as few nodes as the partition allows
     repeats = 1                     # runs per point
     report = true                   # on Slurm: a final report job after all points
+    serial = false                  # on Slurm: run the points one after another (afterany chain)
     base = "smoke.toml"             # base job spec, relative to this file ...
 
     [base]                          # ... and/or inline (merged over the file, section by section)
@@ -46,7 +47,7 @@ from cyclone_kit.errors import ValidationError
 from cyclone_kit.validate import ResolvedJob, resolve
 
 MODES = ("strong", "weak")
-SWEEP_KEYS = ("name", "mode", "global_batch_size", "points", "world_sizes", "repeats", "report", "base")
+SWEEP_KEYS = ("name", "mode", "global_batch_size", "points", "world_sizes", "repeats", "report", "serial", "base")
 POINT_KEYS = ("nodes", "ntasks_per_node")
 SCHEMA = 1
 
@@ -91,6 +92,8 @@ class SweepSpec:
         global_batch_size: fixed global batch of a strong study (None in weak mode).
         repeats: runs per point.
         report: submit a final report job (Slurm backends).
+        serial: on Slurm, chain the points (each starts after the previous ended) so they never
+            share cores: needed where "nodes" share one machine (the local test cluster).
     """
 
     name: str
@@ -101,6 +104,7 @@ class SweepSpec:
     global_batch_size: int | None = None
     repeats: int = 1
     report: bool = True
+    serial: bool = False
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -113,16 +117,21 @@ class SweepSpec:
             )
         for n in self.world_sizes:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValidationError(f"sweep world size {n!r} must be a positive integer", hint="world_sizes = [1, 2, 4]")
+                raise ValidationError(f"sweep world size {n!r} must be a positive integer",
+                                      hint="world_sizes = [1, 2, 4]")
         sizes = [p.world_size for p in self.points] or list(self.world_sizes)
         if len(set(self.points)) != len(self.points):
-            raise ValidationError("sweep points repeat a layout", hint="list each layout once; use repeats = N for repeats")
+            raise ValidationError("sweep points repeat a layout",
+                                  hint="list each layout once; use repeats = N to run a point several times")
         if len(set(self.world_sizes)) != len(self.world_sizes):
-            raise ValidationError("sweep world_sizes repeat a value", hint="list each size once; use repeats = N for repeats")
+            raise ValidationError("sweep world_sizes repeat a value",
+                                  hint="list each size once; use repeats = N to run a point several times")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValidationError(f"sweep repeats must be a positive integer, got {self.repeats!r}", hint="repeats = 1")
-        if not isinstance(self.report, bool):
-            raise ValidationError(f"sweep report must be true or false, got {self.report!r}", hint="report = true")
+        for key in ("report", "serial"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValidationError(f"sweep {key} must be true or false, got {getattr(self, key)!r}",
+                                      hint=f"{key} = true")
         accum = self.base.train.grad_accum
         if self.mode == "strong":
             gbs = self.global_batch_size
@@ -221,7 +230,8 @@ def sweep_from_dict(data: Mapping[str, Any], base: Mapping[str, Any] | None = No
         raise ValidationError("the sweep spec has no [sweep] table", hint="see jobs/strong_scaling.toml")
     unknown = sorted(set(table) - set(SWEEP_KEYS))
     if unknown:
-        raise ValidationError(f"unknown key(s) in [sweep]: {', '.join(unknown)}", hint=f"valid keys: {', '.join(SWEEP_KEYS)}")
+        raise ValidationError(f"unknown key(s) in [sweep]: {', '.join(unknown)}",
+                              hint=f"valid keys: {', '.join(SWEEP_KEYS)}")
     inline = data.get("base", {})
     if not isinstance(inline, Mapping):
         raise ValidationError("[base] must be a job spec table", hint="write [base.train], [base.resources] ...")
@@ -240,13 +250,16 @@ def sweep_from_dict(data: Mapping[str, Any], base: Mapping[str, Any] | None = No
     points: list[SweepPoint] = []
     raw_points = table.get("points", [])
     if not isinstance(raw_points, list):
-        raise ValidationError("sweep points must be a list of tables", hint="points = [{nodes = 1, ntasks_per_node = 2}]")
+        raise ValidationError("sweep points must be a list of tables",
+                              hint="points = [{nodes = 1, ntasks_per_node = 2}]")
     for i, raw in enumerate(raw_points):
         if not isinstance(raw, Mapping):
-            raise ValidationError(f"sweep point {i} is not a table: {raw!r}", hint="points = [{nodes = 1, ntasks_per_node = 2}]")
+            raise ValidationError(f"sweep point {i} is not a table: {raw!r}",
+                                  hint="points = [{nodes = 1, ntasks_per_node = 2}]")
         bad = sorted(set(raw) - set(POINT_KEYS))
         if bad:
-            raise ValidationError(f"unknown key(s) in sweep point {i}: {', '.join(bad)}", hint=f"valid keys: {', '.join(POINT_KEYS)}")
+            raise ValidationError(f"unknown key(s) in sweep point {i}: {', '.join(bad)}",
+                                  hint=f"valid keys: {', '.join(POINT_KEYS)}")
         points.append(SweepPoint(nodes=raw.get("nodes", 1), ntasks_per_node=raw.get("ntasks_per_node", 1)))
     sizes = table.get("world_sizes", [])
     if not isinstance(sizes, list):
@@ -260,6 +273,7 @@ def sweep_from_dict(data: Mapping[str, Any], base: Mapping[str, Any] | None = No
         global_batch_size=table.get("global_batch_size"),
         repeats=table.get("repeats", 1),
         report=table.get("report", True),
+        serial=table.get("serial", False),
     )
 
 
@@ -331,7 +345,8 @@ def point_layouts(sweep: SweepSpec, profile: ClusterProfile) -> tuple[SweepPoint
         else:
             raise ValidationError(
                 f"world size {n} does not fill whole nodes of {per_node} ranks on partition {part.name!r}",
-                hint=f"use a multiple of {per_node} above {per_node}, or explicit points = [{{nodes = ..., ntasks_per_node = ...}}]",
+                hint=f"use a multiple of {per_node} above {per_node}, "
+                "or explicit points = [{nodes = ..., ntasks_per_node = ...}]",
             )
     return tuple(layouts)
 
@@ -342,7 +357,8 @@ def point_spec(sweep: SweepSpec, point: SweepPoint, profile: ClusterProfile) -> 
     part = profile.partition(res.partition) if res.partition else profile.default_partition
     if res.launcher == "torchrun":
         # torchrun: one task per node that starts one process per GPU
-        resources = dataclasses.replace(res, nodes=point.nodes, ntasks_per_node=None, gpus_per_node=point.ntasks_per_node)
+        resources = dataclasses.replace(res, nodes=point.nodes, ntasks_per_node=None,
+                                        gpus_per_node=point.ntasks_per_node)
     elif part.gpus_per_node:
         resources = dataclasses.replace(res, nodes=point.nodes, ntasks_per_node=point.ntasks_per_node,
                                         gpus_per_node=point.ntasks_per_node)
@@ -379,6 +395,7 @@ def sweep_record(sweep: SweepSpec, runs: Sequence[SweepRun], profile: ClusterPro
         "mode": sweep.mode,
         "global_batch_size": sweep.global_batch_size,
         "repeats": sweep.repeats,
+        "serial": sweep.serial,
         "profile": profile.name,
         "backend": backend,
         "base_spec": spec_to_dict(sweep.base),
@@ -398,7 +415,8 @@ def report_script(
 
     It waits for every point (``--dependency=afterany:...``, so failed points are reported as
     incomplete rather than blocking the report), then runs
-    ``python -m cyclone_kit report STUDY -o STUDY/report`` on one core of ``job``'s partition.
+    ``python -m cyclone_kit report STUDY -o STUDY/report`` on one core of the profile's default
+    partition (no GPU is held for it).
     """
     from cyclone_kit.render import sbatch_quote
 
@@ -416,7 +434,7 @@ def report_script(
         "#SBATCH --ntasks=1",
         "#SBATCH --cpus-per-task=1",
         "#SBATCH --time=00:15:00",
-        f"#SBATCH --partition={sbatch_quote(job.partition.name)}",
+        f"#SBATCH --partition={sbatch_quote(prof.default_partition.name)}",
     ]
     if job.account:
         lines.append(f"#SBATCH --account={sbatch_quote(job.account)}")
@@ -435,6 +453,25 @@ def report_script(
     lines += list(prof.setup)
     lines.append(f"{shlex.quote(py)} -m cyclone_kit report {shlex.quote(study)} -o {shlex.quote(study + '/report')}")
     return "\n".join(lines) + "\n"
+
+
+def with_dependency(script: str, job_ids: Sequence[str], kind: str = "afterany") -> str:
+    """``script`` with ``#SBATCH --dependency=KIND:ID[:ID...]`` added after its first ``#SBATCH`` line (pure).
+
+    Raises:
+        ValidationError: an id is not a Slurm job id.
+    """
+    if not job_ids:
+        return script
+    for job_id in job_ids:
+        if not str(job_id).replace("_", "").isdigit():
+            raise ValidationError(f"job id {job_id!r} is not a Slurm job id", hint="pass the ids sbatch printed")
+    lines = script.splitlines(keepends=True)
+    at = next((i for i, line in enumerate(lines) if line.startswith("#SBATCH ")), None)
+    if at is None:
+        raise ValidationError("the batch script has no #SBATCH header", hint="render it with cyclone_kit")
+    lines.insert(at + 1, f"#SBATCH --dependency={kind}:{':'.join(str(i) for i in job_ids)}\n")
+    return "".join(lines)
 
 
 def _lcm(values: Iterable[int]) -> int:

@@ -5,16 +5,19 @@
 #
 #   start    install the Debian packages when missing, write /etc/slurm/slurm.conf, start munged,
 #            slurmctld and four slurmd (c1,c2 in partition cpu (default); g1,g2 in partition gpu
-#            with fake Gres=gpu:4), then wait until all four nodes are idle. Idempotent.
+#            with fake Gres=gpu:4), then wait until all four nodes are idle (when every daemon
+#            was already running: until they are up, busy or not). Idempotent.
 #   --with-accounting  also run MariaDB + slurmdbd so that `sacct` works (~+20 s on a fresh host).
 #   stop     stop every daemon this script started, end leftover job steps, drop the /etc/hosts
 #            block. Safe when nothing runs.
-#   status   print daemon pids and `sinfo`; exit 0 only when all four nodes answer.
+#   status   print daemon pids and `sinfo`; exit 0 only when all four nodes are up.
 #   restart  stop, then start.
 #
 # Environment:
 #   CK_SLURM_ROOT      all state, spool, logs, pid files (default /var/tmp/cyclone-slurm)
 #   CK_SLURM_TIMEOUT   seconds to wait for the nodes to become idle (default 60)
+#   CK_SLURM_NO_UNSHARE=1  do not give each slurmd its own UTS namespace (task hostnames are then
+#                      this host's name; used automatically where `unshare --uts` is refused)
 #
 # Must run as root (it writes /etc/slurm and /etc/hosts and starts root daemons). Facts behind each
 # setting: shared/LOCAL-SLURM.md.
@@ -44,6 +47,17 @@ node_port() {  # c1 -> 17001 ... g2 -> 17004
   die "unknown node $1"
 }
 
+# any_alive PID...: one of them still runs (a zombie does not count: PID 1 here reaps slowly).
+any_alive() {
+  local p stat
+  for p in "$@"; do
+    stat=$(cat "/proc/$p/stat" 2>/dev/null) || continue
+    stat=${stat##*) }
+    [[ ${stat%% *} != Z ]] && return 0
+  done
+  return 1
+}
+
 # pid_alive PIDFILE NAME: the pid in PIDFILE runs a process whose comm starts with NAME.
 pid_alive() {
   local pid comm
@@ -51,22 +65,22 @@ pid_alive() {
   pid=$(head -n1 "$1" 2>/dev/null) || return 1
   [[ $pid =~ ^[0-9]+$ ]] || return 1
   comm=$(cat "/proc/$pid/comm" 2>/dev/null) || return 1
-  [[ $comm == "$2"* ]]
+  [[ $comm == "$2"* ]] && any_alive "$pid"
 }
 
 pid_of() { head -n1 "$1" 2>/dev/null || true; }
 
-# stop_pid PIDFILE NAME: TERM, wait up to 5 s, then KILL.
+# stop_pid PIDFILE NAME [WAIT_S]: TERM, wait up to WAIT_S (default 10) seconds, then KILL.
 stop_pid() {
   local pid i
   pid_alive "$1" "$2" || { rm -f "$1"; return 0; }
   pid=$(pid_of "$1")
   kill -TERM "$pid" 2>/dev/null || true
-  for i in $(seq 50); do
-    [[ -d /proc/$pid ]] || break
+  for i in $(seq $((${3:-10} * 10))); do
+    any_alive "$pid" || break
     sleep 0.1
   done
-  [[ -d /proc/$pid ]] && kill -KILL "$pid" 2>/dev/null || true
+  if any_alive "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
   rm -f "$1"
 }
 
@@ -79,7 +93,7 @@ require_root() {
 ensure_packages() {
   local missing=() cmd
   declare -A bin_of=([slurmctld]=/usr/sbin/slurmctld [slurmd]=/usr/sbin/slurmd
-    [slurm-client]=/usr/bin/sinfo [slurm-wlm-basic-plugins]=/usr/lib/x86_64-linux-gnu/slurm-wlm/select_cons_tres.so
+    [slurm-client]=/usr/bin/sinfo
     [munge]=/usr/sbin/munged [tini]=/usr/bin/tini [slurmdbd]=/usr/sbin/slurmdbd
     [mariadb-server]=/usr/sbin/mariadbd)
   for cmd in "$@"; do
@@ -209,7 +223,9 @@ hosts_remove_block() {
 
 hosts_add_block() {
   hosts_remove_block
-  { echo "$HOSTS_BEGIN"; echo "127.0.0.1 ${NODES[*]}"; echo "$HOSTS_END"; } >>/etc/hosts
+  if ! { echo "$HOSTS_BEGIN"; echo "127.0.0.1 ${NODES[*]}"; echo "$HOSTS_END"; } >>/etc/hosts 2>/dev/null; then
+    log "warning: /etc/hosts is not writable; node names ${NODES[*]} will not resolve (jobs still run)"
+  fi
 }
 
 make_fake_gpus() {
@@ -301,7 +317,8 @@ start_slurmctld() {
   die "slurmctld did not come up"
 }
 
-can_unshare_uts() { unshare --uts true 2>/dev/null; }
+# CK_SLURM_NO_UNSHARE=1 forces the fallback (to test it).
+can_unshare_uts() { [[ ${CK_SLURM_NO_UNSHARE:-0} != 1 ]] && unshare --uts true 2>/dev/null; }
 
 start_slurmd() {
   local node=$1 uts=$2
@@ -310,6 +327,7 @@ start_slurmd() {
   # tini -s: a child subreaper reaps slurmstepd orphans promptly (PID 1 here is slow at it).
   # setsid execs in place (a background job is no group leader), so $! becomes the tini pid.
   if [[ $uts == 1 ]]; then
+    # shellcheck disable=SC2016 # $1 and $2 expand in the inner sh
     detach "$ROOT/log/slurmd-$node.out" unshare --uts sh -c \
       'hostname "$1" && exec tini -s -- /usr/sbin/slurmd -D -N "$1" -f "$2"' sh "$node" "$CONF" >"$ROOT/run/tini-$node.pid"
   else
@@ -333,17 +351,26 @@ fail_stale_jobs() {
 
 node_states() { sinfo -h -N -o '%N %t' 2>/dev/null | sort -u; }
 
+# ready_nodes: how many nodes answer and take jobs: idle, or busy with jobs already (mix, alloc,
+# comp) when start is called on a running cluster. A "*" suffix means not responding.
+ready_nodes() { awk '$2 ~ /^(idle|mix|alloc|comp)$/' <<<"$1" | wc -l; }
+
+# wait_idle STRICT: until every node is idle (STRICT=1, after starting daemons) or at least up
+# (STRICT=0: the cluster was already running and may be busy with jobs).
 wait_idle() {
-  local deadline=$((SECONDS + TIMEOUT)) states idle n resumed=0
+  local strict=$1 deadline=$((SECONDS + TIMEOUT)) states n resumed=0
   while :; do
     states=$(node_states)
-    idle=$(awk '$2=="idle"' <<<"$states" | wc -l)
-    ((idle == ${#NODES[@]})) && return 0
+    if ((strict)); then
+      (($(awk '$2 == "idle"' <<<"$states" | wc -l) == ${#NODES[@]})) && return 0
+    else
+      (($(ready_nodes "$states") == ${#NODES[@]})) && return 0
+    fi
     # A node left drained/down by an earlier run: return it to service once.
     if ((resumed == 0)) && grep -qE ' (drain|drng|down)' <<<"$states"; then
-      for n in $(awk '$2 ~ /^(drain|drng|down)/ {print $1}' <<<"$states"); do
+      while read -r n; do
         scontrol update NodeName="$n" State=RESUME >/dev/null 2>&1 || true
-      done
+      done < <(awk '$2 ~ /^(drain|drng|down)/ {print $1}' <<<"$states")
       resumed=1
     fi
     if ((SECONDS >= deadline)); then
@@ -361,16 +388,11 @@ wait_idle() {
 
 # descendants PID: every process below PID (slurmd, its slurmstepd, their tasks), by pid.
 # slurmstepd calls setsid(), so sessions do not track jobs; the tini subreaper's tree does.
+# Reads /proc directly (procps may be missing on a minimal host); "pid (comm) state ppid ...".
 descendants() {
-  ps -e -o pid=,ppid= | awk -v root="$1" '
-    { kids[$2] = kids[$2] " " $1 }
+  cat /proc/[0-9]*/stat 2>/dev/null | awk -v root="$1" '
+    { rest = $0; sub(/^.*\) /, "", rest); split(rest, f, " "); kids[f[2]] = kids[f[2]] " " $1 }
     END { n = split(kids[root], q, " "); for (i = 1; i <= n; i++) { print q[i]; m = split(kids[q[i]], more, " "); for (j = 1; j <= m; j++) q[++n] = more[j] } }'
-}
-
-any_alive() {
-  local p
-  for p in "$@"; do [[ -d /proc/$p ]] && return 0; done
-  return 1
 }
 
 # slurm_pids: slurmctld and, per node, the tini pid with everything below it (slurmd, slurmstepd,
@@ -389,21 +411,25 @@ slurm_pids() {
   return 0
 }
 
-# terminate PID...: TERM all at once, give them 3 s together, then KILL the rest.
+# terminate PID...: TERM all at once, give them 3 s together, then KILL the rest. slurmstepd
+# ignores TERM, so it does not count when deciding whether the others are done.
 terminate() {
-  local i
+  local i p waiting
   (($#)) || return 0
   kill -TERM "$@" 2>/dev/null || true
   for i in $(seq 30); do
-    any_alive "$@" || return 0
+    waiting=()
+    for p in "$@"; do [[ $(cat "/proc/$p/comm" 2>/dev/null) == slurmstepd ]] || waiting+=("$p"); done
+    any_alive "${waiting[@]}" || break
     sleep 0.1
   done
-  kill -KILL "$@" 2>/dev/null || true
+  any_alive "$@" && kill -KILL "$@" 2>/dev/null
+  return 0
 }
 
 # ---------------------------------------------------------------------------------------------
 cmd_start() {
-  local acct=0 changed=0 uts=1 n t0=$SECONDS fresh
+  local acct=0 changed=0 uts=1 n t0=$SECONDS fresh strict=1
   for arg in "$@"; do
     case $arg in
       --with-accounting) acct=1 ;;
@@ -413,6 +439,7 @@ cmd_start() {
   require_root start
   install -d "$ROOT"/{state,spool,run,log,dev} "$CONF_DIR"
   if ((acct)); then ensure_packages "${BASE_PKGS[@]}" "${ACCT_PKGS[@]}"; else ensure_packages "${BASE_PKGS[@]}"; fi
+  stop_other_root
 
   render_slurm_conf "$acct" | write_if_changed "$CONF" 0644 && changed=1
   render_gres_conf | write_if_changed "$CONF_DIR/gres.conf" 0644 && changed=1
@@ -423,6 +450,7 @@ cmd_start() {
   fi
   echo "$acct" >"$ROOT/run/accounting"
 
+  if pid_alive "$ROOT/run/slurmctld.pid" slurmctld && ! any_slurmd_down; then strict=0; fi
   hosts_add_block
   make_fake_gpus
   start_munge
@@ -435,8 +463,14 @@ cmd_start() {
     start_slurmd "$n" "$uts"
   done
   fail_stale_jobs "${fresh[@]}"
-  wait_idle
+  wait_idle "$strict"
   log "cluster up in $((SECONDS - t0)) s: partitions cpu (c1,c2; default) and gpu (g1,g2; gpu:4); root $ROOT$( ((acct)) && echo '; accounting on')"
+}
+
+any_slurmd_down() {
+  local n
+  for n in "${NODES[@]}"; do pid_alive "$ROOT/run/slurmd-$n.pid" slurmd || return 0; done
+  return 1
 }
 
 any_slurmd_alive() {
@@ -453,31 +487,53 @@ stop_slurm_daemons() {
   for n in "${NODES[@]}"; do rm -f "$ROOT/run/slurmd-$n.pid" "$ROOT/run/tini-$n.pid"; done
 }
 
-cmd_stop() {
+# conf_root: the state root of the cluster /etc/slurm/slurm.conf describes (maybe another CK_SLURM_ROOT).
+conf_root() { sed -n 's|^StateSaveLocation=\(.*\)/state$|\1|p' "$CONF" 2>/dev/null | head -n1; }
+
+# stop_other_root: a cluster started with another CK_SLURM_ROOT holds the ports; stop it first.
+stop_other_root() {
+  local other
+  other=$(conf_root)
+  if [[ -n $other && $other != "$ROOT" && -d $other/run ]]; then
+    log "stopping the cluster running from $other"
+    local ROOT=$other # bash scoping is dynamic: stop_all and what it calls see this ROOT
+    stop_all
+  fi
+}
+
+stop_all() {
   local pids
-  require_root stop
   pids=$(slurm_pids)
-  pid_alive "$ROOT/run/slurmdbd.pid" slurmdbd && pids+=" $(pid_of "$ROOT/run/slurmdbd.pid")"
+  if pid_alive "$ROOT/run/slurmdbd.pid" slurmdbd; then pids+=" $(pid_of "$ROOT/run/slurmdbd.pid")"; fi
   # only a munged this script started
-  [[ -f $ROOT/run/munged.ours ]] && pid_alive /run/munge/munged.pid munged && pids+=" $(pid_of /run/munge/munged.pid)"
+  if [[ -f $ROOT/run/munged.ours ]] && pid_alive /run/munge/munged.pid munged; then pids+=" $(pid_of /run/munge/munged.pid)"; fi
   # shellcheck disable=SC2046,SC2086 # word splitting of the pid list is intended
   terminate $(printf '%s\n' $pids | sort -un)
-  rm -f "$ROOT"/run/{slurmctld,slurmdbd}.pid "$ROOT"/run/slurmd-*.pid "$ROOT"/run/tini-*.pid "$ROOT/run/munged.ours"
+  rm -f "$ROOT"/run/{slurmctld,slurmdbd}.pid "$ROOT"/run/slurmd-*.pid "$ROOT"/run/tini-*.pid "$ROOT/run/munged.ours" "$ROOT/run/accounting"
   stop_pid /run/mysqld/mysqld.pid mariadbd
+}
+
+cmd_stop() {
+  require_root stop
+  stop_other_root
+  stop_all
   hosts_remove_block
   log "stopped"
 }
 
 cmd_status() {
-  local n rc=0 name
+  local rc=0 name f c
   for name in slurmctld "${NODES[@]}"; do
     if [[ $name == slurmctld ]]; then f=$ROOT/run/slurmctld.pid; c=slurmctld; else f=$ROOT/run/slurmd-$name.pid; c=slurmd; name="slurmd $name"; fi
     if pid_alive "$f" "$c"; then echo "$name: running (pid $(pid_of "$f"))"; else echo "$name: stopped"; rc=1; fi
   done
   if [[ $(cat "$ROOT/run/accounting" 2>/dev/null) == 1 ]]; then
-    pid_alive "$ROOT/run/slurmdbd.pid" slurmdbd && echo "slurmdbd: running" || { echo "slurmdbd: stopped"; rc=1; }
+    if pid_alive "$ROOT/run/slurmdbd.pid" slurmdbd; then echo "slurmdbd: running"; else echo "slurmdbd: stopped"; rc=1; fi
   fi
-  if ((rc == 0)); then sinfo -N -o '%N %P %t %c %G' || rc=1; fi
+  if ((rc == 0)); then
+    sinfo -N -o '%N %P %t %c %G' || rc=1
+    (($(ready_nodes "$(node_states)") == ${#NODES[@]})) || { echo "not every node is up"; rc=1; }
+  fi
   return $rc
 }
 

@@ -40,6 +40,7 @@ from cyclone_kit.analysis.scaling import (
     infer_mode,
     karp_flatt,
     scaling_table,
+    step_timing,
 )
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "load_runs",
     "parse_metrics_text",
     "scaling_table",
+    "step_timing",
     "summarize_run",
     "write_report",
 ]

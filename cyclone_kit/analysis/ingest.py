@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,38 +197,47 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
     current: _Segment | None = None
     steps: list[dict[str, Any]] = []
     step_segments: list[int] = []
+    step_append, segment_append = steps.append, step_segments.append
     epochs: list[dict[str, Any]] = []
     unsupported = 0
+    index = -1  # the current segment
     for record in values:
-        if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        kind = record.get("kind") if isinstance(record, dict) else None
+        if kind.__class__ is not str:
             corrupt += 1
             continue
         if record.get("schema") != SCHEMA_VERSION:
             unsupported += 1
             continue
-        kind = record["kind"]
-        if kind == "step":
+        if kind == "step":  # the hot path: most records are steps
             if current is None:
                 current = _Segment()
                 segments.append(current)
-            steps.append(record)
-            step_segments.append(len(segments) - 1)
-            current.step_records += 1
-            current.last_step = record.get("step")
+                index = 0
+            step_append(record)
+            segment_append(index)
             continue
         if kind == "start":
             current = _Segment(start=record)
             segments.append(current)
+            index = len(segments) - 1
             continue
         if current is None:
             current = _Segment()
             segments.append(current)
+            index = 0
         if kind == "epoch":
-            epochs.append({**record, "segment": len(segments) - 1})
+            epochs.append({**record, "segment": index})
             if record.get("val_accuracy") is not None:
                 current.last_val_accuracy = record.get("val_accuracy")
         elif kind == "end":
             current.end = record
+    # Per-segment step counts and last step: step_segments is sorted, so bisect it.
+    for number, segment in enumerate(segments):
+        first, end = bisect_left(step_segments, number), bisect_right(step_segments, number)
+        segment.step_records = end - first
+        if end > first:
+            segment.last_step = steps[end - 1].get("step")
     return ParsedMetrics(
         segments=tuple(
             {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import math
 import warnings
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from cyclone_kit.analysis.scaling import (
     compare_to_baselines,
     fit_scaling_laws,
     scaling_table,
+    step_timing,
 )
 from cyclone_kit.errors import ValidationError
 
@@ -68,7 +70,10 @@ def parse_baseline_spec(spec: str) -> tuple[str, Path]:
 def _baselines_from_csv(name: str, path: Path) -> pd.DataFrame:
     """Rows of a published-baselines CSV."""
     try:
-        frame = pd.read_csv(path, comment="#")
+        # Whole-line comments only: a '#' inside a quoted source field must survive.
+        text = "".join(line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                       if not line.lstrip().startswith("#"))
+        frame = pd.read_csv(io.StringIO(text))
     except (OSError, ValueError) as exc:
         raise ValidationError(f"baseline {name}: cannot read {path}: {exc}",
                               hint="pass a CSV with columns name,device,samples_per_s") from exc
@@ -189,11 +194,11 @@ Block = Heading | Paragraph | Bullets | Table | Image
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
-    """A number with fixed decimals, or an empty cell for missing values."""
-    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+    """A number with fixed decimals and thousands separators; empty for missing values."""
+    if value is None or pd.isna(value):
         return ""
-    if isinstance(value, int | bool) or (hasattr(value, "is_integer") and float(value).is_integer() and digits == 0):
-        return str(int(value))
+    if digits == 0:
+        return str(round(float(value)))
     return f"{float(value):,.{digits}f}"
 
 
@@ -205,14 +210,11 @@ def _pct(value: Any) -> str:
 def _unit(runs: pd.DataFrame, n: int) -> str:
     """'GPU(s)' / 'CPU process(es)' / 'device(s)' for a count, from the runs' devices."""
     devices = set(runs["device"].dropna().astype(str)) if not runs.empty else set()
-    if devices == {"cuda"}:
-        word = "GPU"
-    elif devices == {"cpu"}:
-        word = "CPU process"
-        return word if n == 1 else "CPU processes"
-    else:
-        word = "device"
-    return word if n == 1 else f"{word}s"
+    singular, plural = {
+        "cuda": ("GPU", "GPUs"),
+        "cpu": ("CPU process", "CPU processes"),
+    }.get(next(iter(devices)) if len(devices) == 1 else "", ("device", "devices"))
+    return singular if n == 1 else plural
 
 
 def _values(series: pd.Series, limit: int = 6) -> str:
@@ -300,10 +302,10 @@ def _fit_text(fit: ScalingFit, largest: int, unit_runs: pd.DataFrame) -> str:
 def _baseline_note(base: pd.Series, runs: pd.DataFrame) -> str:
     """Warn when a baseline ran another model or dataset than the study."""
     notes = []
-    for column in ("model", "dataset"):
+    for column in ("model", "dataset", "precision"):
         theirs = base.get(column)
-        ours = set(runs[column].dropna().astype(str))
-        if theirs is not None and pd.notna(theirs) and ours and str(theirs) not in ours:
+        ours = {str(v).lower() for v in runs[column].dropna()}
+        if theirs is not None and pd.notna(theirs) and ours and str(theirs).lower() not in ours:
             notes.append(f"{column} {theirs} vs {', '.join(sorted(ours))}")
     return f" (not like for like: {'; '.join(notes)})" if notes else ""
 
@@ -425,16 +427,29 @@ def report_blocks(
                 for _, b in baselines.iterrows()
             ),
         ))
+        names = list(dict.fromkeys(baselines["name"]))
         for (study, strategy), group in comparisons.groupby(["study", "strategy"], sort=False):
             study_runs = runs[runs["study"] == study]
-            lines = []
-            for _, row in group.iterrows():
-                n = int(row["world_size"])
-                lines.append(
-                    f"{n} {_unit(study_runs, n)} here = {row['times']:.2f} times {row['baseline']} "
-                    f"(per device: {row['times_per_device']:.2f} times)"
-                )
-            blocks += [Heading(3, f"{study} ({strategy}) versus the baselines"), Bullets(tuple(lines))]
+            cells = {(int(r["world_size"]), r["baseline"]): r for _, r in group.iterrows()}
+            rows = []
+            for n in sorted({n for n, _ in cells}):
+                rows.append((
+                    f"{n} {_unit(study_runs, n)} here",
+                    *(
+                        f"{cells[(n, name)]['times']:.2f}x ({cells[(n, name)]['times_per_device']:.2f}x per device)"
+                        for name in names
+                    ),
+                ))
+            blocks += [
+                Heading(3, f"{study} ({strategy}) versus the baselines"),
+                Paragraph("Each cell: N here = X times that baseline's total throughput (and X per device)."),
+                Table(("N", *names), tuple(rows)),
+            ]
+            notes = [f"{name}{_baseline_note(baselines[baselines['name'] == name].iloc[0], study_runs)}"
+                     for name in names]
+            notes = [note for note in notes if "not like for like" in note]
+            if notes:
+                blocks.append(Bullets(tuple(notes)))
 
     incomplete = data.incomplete_runs
     blocks.append(Heading(2, "Incomplete runs"))
@@ -450,6 +465,25 @@ def report_blocks(
                     str(r["incomplete_reason"]), str(int(r["segments"])), str(int(r["corrupt_lines"])),
                 )
                 for _, r in incomplete.iterrows()
+            ),
+        ))
+
+    timing = step_timing(data.steps, runs)
+    if not timing.empty:
+        blocks.append(Heading(2, "Step timing"))
+        blocks.append(Paragraph(
+            "Median time per training step and waiting for data (complete runs, all step records). "
+            "A high data share means the run is input-bound: faster data loading (more workers, "
+            "local copies of the dataset) helps before more GPUs do."
+        ))
+        blocks.append(Table(
+            ("study", "strategy", "N", "step records", "step time (ms)", "data time (ms)", "data share"),
+            tuple(
+                (
+                    str(r["study"]), str(r["strategy"]), str(int(r["world_size"])), str(int(r["step_records"])),
+                    _fmt(1000.0 * r["step_time_s"], 1), _fmt(1000.0 * r["data_time_s"], 1), _pct(r["data_share"]),
+                )
+                for _, r in timing.iterrows()
             ),
         ))
 

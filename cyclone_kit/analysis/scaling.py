@@ -341,3 +341,39 @@ def compare_to_baselines(table: pd.DataFrame, baselines: pd.DataFrame) -> pd.Dat
         "baseline_samples_per_s", "samples_per_s", "times", "times_per_device",
     ]
     return pd.DataFrame(rows, columns=columns)
+
+
+def step_timing(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """Median step and data-loading time per (study, strategy, world_size), complete runs only.
+
+    A large ``data_share`` (time waiting for the input pipeline over time per step) means the
+    run is input-bound: more GPUs will not help until data loading is faster.
+
+    Args:
+        steps: the steps table (``run_dir``, ``step_time_s``, ``data_time_s``).
+        runs: the runs table (``run_dir``, ``study``, ``strategy``, ``world_size``, ``complete``).
+
+    Returns:
+        Columns study, strategy, world_size, step_records, step_time_s (median),
+        data_time_s (median), data_share (sum of data time / sum of step time).
+    """
+    columns = ["study", "strategy", "world_size", "step_records", "step_time_s", "data_time_s", "data_share"]
+    keys = runs[runs["complete"].astype(bool)][["run_dir", "study", "strategy", "world_size"]]
+    if steps.empty or keys.empty:
+        return pd.DataFrame(columns=columns)
+    frame = steps[["run_dir", "step_time_s", "data_time_s"]].copy()
+    frame["run_dir"] = frame["run_dir"].astype(str)
+    frame = frame.merge(keys, on="run_dir", how="inner")
+    if frame.empty:
+        return pd.DataFrame(columns=columns)
+    grouped = frame.groupby(["study", "strategy", "world_size"], sort=True)
+    out = grouped.agg(
+        step_records=("step_time_s", "size"),
+        step_time_s=("step_time_s", "median"),
+        data_time_s=("data_time_s", "median"),
+        step_sum=("step_time_s", "sum"),
+        data_sum=("data_time_s", "sum"),
+    ).reset_index()
+    out["data_share"] = (out["data_sum"] / out["step_sum"]).where(out["step_sum"] > 0)
+    out["world_size"] = out["world_size"].astype(int)
+    return out[columns]

@@ -61,9 +61,9 @@ class SlurmBackend:
     def __init__(self, *, timeout: float = 30) -> None:
         self.timeout = timeout
 
-    def _run(self, argv: Sequence[str], **kwargs: object) -> CompletedCommand:
+    def _run(self, argv: Sequence[str], cwd: Path | None = None) -> CompletedCommand:
         """Run a Slurm command without raising on a non-zero exit."""
-        return run_command(argv, timeout=self.timeout, check=False, **kwargs)  # type: ignore[arg-type]
+        return run_command(argv, timeout=self.timeout, check=False, cwd=cwd)
 
     def submit(self, script_path: Path, run_dir: Path) -> str:
         """Submit ``script_path`` with ``sbatch --parsable`` from ``run_dir``; return the job id.

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -24,20 +26,26 @@ from cyclone_kit.analysis.synthetic import SyntheticRun, write_run, write_study
 from cyclone_kit.errors import ValidationError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+Run = partial(SyntheticRun, model="resnet18")
 
 
 def make_study(root: Path) -> Path:
     """A strong study: N = 1, 2, 4 (two repeats), one failed N = 8 run, one corrupt line."""
     study = write_study(root, "cifar-strong", "strong", [
-        ("n1", SyntheticRun(1, 100.0, per_device_batch_size=128)),
-        ("n2", SyntheticRun(2, 180.0, per_device_batch_size=64)),
-        ("n4-r0", SyntheticRun(4, 300.0, per_device_batch_size=32)),
-        ("n4-r1", SyntheticRun(4, 340.0, per_device_batch_size=32, statuses=("preempted", "completed"),
+        ("n1", Run(1, 100.0, per_device_batch_size=128)),
+        ("n2", Run(2, 180.0, per_device_batch_size=64)),
+        ("n4-r0", Run(4, 300.0, per_device_batch_size=32)),
+        ("n4-r1", Run(4, 340.0, per_device_batch_size=32, statuses=("preempted", "completed"),
                                segment_samples_per_s=(10.0, 340.0))),
-        ("n8", SyntheticRun(8, 500.0, per_device_batch_size=16, num_nodes=2, statuses=("failed",))),
+        ("n8", Run(8, 500.0, per_device_batch_size=16, num_nodes=2, statuses=("failed",))),
     ], repeats=[0, 0, 0, 1, 0])
     with (study / "n2" / "metrics.jsonl").open("a") as f:
         f.write('{"kind": "step", "sch')
+    ranks = study / "n2" / "ranks"
+    ranks.mkdir()
+    for rank, (host, speed) in enumerate([("gpu01", 90.0), ("gpu02", 60.0)]):
+        (ranks / f"rank-{rank:05d}.json").write_text(json.dumps(
+            {"rank": rank, "host": host, "device": "cuda:0", "samples_per_s": speed, "peak_memory_bytes": 3 * 2**30}))
     return study
 
 
@@ -46,9 +54,10 @@ def report(tmp_path_factory: pytest.TempPathFactory):
     """One report (with a CSV and a run-directory baseline), shared by the tests below."""
     root = tmp_path_factory.mktemp("report")
     study = make_study(root)
-    colab = write_run(root / "colab" / "run", SyntheticRun(1, 40.0, device_name="Tesla T4")).parent
+    colab = write_run(root / "colab" / "run", Run(1, 40.0, device_name="Tesla T4")).parent
     csv = root / "published.csv"
     csv.write_text("name,device,samples_per_s,devices,model\nref-v100,V100,200,1,resnet50\n")
+    # The study trains resnet18 (the published row is resnet50): the report must say so.
     with pytest.warns(UserWarning, match="corrupt"):
         result = write_report([study], root / "out", [f"colab={colab}", ("published", csv)])
     return result
@@ -93,12 +102,16 @@ def test_markdown_has_setup_table_baselines_incomplete_runs_and_warnings(report)
         "## Study cifar-strong", "### Setup", "Tesla V100-SXM2-32GB", "| 4 | 1 | 32 | 128 | 2 | 320.0 |",
         "![", "speedup.png", "Amdahl fit", "## Incomplete runs", "ended with status 'failed'",
         "1 corrupt line(s) (last line truncated)",
+        # Per-rank table: slowest 60 vs median 75 -> 0.80, flagged; peak memory 3 GiB.
+        "| rank 1 on gpu02 | 0.80 (straggler) | 3.00 |",
+        "## Step timing",
         # 4 GPUs: 320 / 40 = 8.00 times colab; 320 / 200 = 1.60 times the published row.
         "4 GPUs here = 8.00 times colab", "4 GPUs here = 1.60 times ref-v100",
-        "2 GPUs here = 4.50 times colab",
+        "| 2 GPUs here | 4.50x (2.25x per device) | 0.90x (0.45x per device) |",
     ):
         assert expected in md, expected
-    assert "not like for like: dataset synthetic" not in md  # same dataset as the colab run
+    assert "colab (Tesla T4, 1 device(s))." in md  # same model and dataset: no caveat
+    assert "ref-v100 (V100, 1 device(s)) (not like for like: model resnet50 vs resnet18)" in md
 
 
 def test_baselines_csv_and_result(report) -> None:
@@ -117,6 +130,9 @@ def test_baseline_arguments_are_validated(tmp_path: Path) -> None:
         parse_baseline_spec("colab")
     with pytest.raises(ValidationError, match="does not exist"):
         load_baseline("x", tmp_path / "nope.csv")
+    hashed = tmp_path / "hashed.csv"
+    hashed.write_text('# a comment line\nname,device,samples_per_s,source\nx,T4,5,"issue #12, table 3"\n')
+    assert load_baseline("x", hashed)["source"].tolist() == ["issue #12, table 3"]
     bad = tmp_path / "bad.csv"
     bad.write_text("name,samples_per_s\nx,1\n")
     with pytest.raises(ValidationError, match="lacks column"):

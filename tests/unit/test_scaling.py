@@ -22,6 +22,7 @@ from cyclone_kit.analysis.scaling import (
     infer_mode,
     karp_flatt,
     scaling_table,
+    step_timing,
 )
 from cyclone_kit.analysis.synthetic import SyntheticRun, write_run, write_study
 
@@ -248,3 +249,20 @@ def test_truncated_and_corrupt_lines_are_counted_and_the_run_still_counts(tmp_pa
     row = data.runs.iloc[0]
     assert (row["corrupt_lines"], bool(row["truncated"]), bool(row["complete"])) == (2, True, True)
     assert scaling_table(data.runs)["samples_per_s"].tolist() == [100.0]
+
+
+def test_step_timing_medians_and_data_share() -> None:
+    runs = pd.DataFrame({"run_dir": ["a", "b", "c"], "study": "s", "strategy": "ddp", "world_size": [1, 2, 2],
+                         "complete": [True, True, False]})
+    steps = pd.DataFrame({
+        "run_dir": pd.Categorical(["a", "a", "a", "b", "b", "c"]),
+        "step_time_s": [0.1, 0.2, 0.3, 0.4, 0.4, 9.0],
+        "data_time_s": [0.05, 0.05, 0.2, 0.1, 0.1, 9.0],
+    })
+    timing = step_timing(steps, runs).set_index("world_size")
+    assert timing.loc[1, "step_time_s"] == pytest.approx(0.2)
+    assert timing.loc[1, "data_time_s"] == pytest.approx(0.05)
+    assert timing.loc[1, "data_share"] == pytest.approx(0.3 / 0.6)  # (0.05 + 0.05 + 0.2) / 0.6
+    assert timing.loc[2, "step_records"] == 2  # the incomplete run c is left out
+    assert timing.loc[2, "data_share"] == pytest.approx(0.25)
+    assert step_timing(steps.iloc[0:0], runs).empty

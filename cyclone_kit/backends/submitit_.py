@@ -1,0 +1,256 @@
+"""The submitit backend: submit the training entry point as a pickled Python callable.
+
+``--backend submitit`` hands :func:`train` (which calls
+:func:`cyclone_kit.runtime.__main__.run_training` on the run directory) to submitit:
+
+* ``executor="slurm"``: :class:`submitit.SlurmExecutor` writes its own sbatch script (nodes,
+  tasks per node, CPUs per task, GPUs, time, partition, account, signal) and starts one task per
+  rank with ``srun``; every task unpickles the callable and finds its rank in the Slurm
+  variables srun set (the runtime reports launcher ``submitit``).
+* ``executor="local"``: :class:`submitit.LocalExecutor` starts the ranks as local processes
+  (one node only; they see ``SUBMITIT_LOCAL_*`` variables and the MASTER_ADDR/MASTER_PORT set
+  here). The run happens in the foreground: submitit cancels a local job when its handle is
+  garbage-collected, so returning early would kill it.
+* ``executor="auto"`` (the default): Slurm where ``sbatch`` is on PATH, else local. The
+  environment variable ``CYCLONE_SUBMITIT_EXECUTOR`` (``slurm``/``local``) overrides ``auto``,
+  e.g. ``CYCLONE_SUBMITIT_EXECUTOR=local cyclone-kit submit --backend submitit ...``.
+
+submitit keeps its pickles and per-task logs in ``RUN_DIR/submitit``; the runtime writes the
+same ``metrics.jsonl`` as with the other backends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from cyclone_kit.errors import RankFailure, SlurmError, ValidationError
+from cyclone_kit.rundir import write_atomic
+
+EXECUTORS = ("auto", "slurm", "local")
+
+
+def train(run_dir: str) -> int:
+    """The callable submitit runs on every rank: train the run directory's ``spec.json``.
+
+    Raises:
+        RankFailure: training returned a non-zero status (so the Slurm task, and the job, fail).
+    """
+    from cyclone_kit.runtime.__main__ import run_training
+
+    code = int(run_training(Path(run_dir)) or 0)
+    if code:
+        rank = os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID") or "0"
+        raise RankFailure(f"training exited {code} on rank {rank}", hint=f"see {Path(run_dir) / 'logs'} and "
+                          f"{Path(run_dir) / 'submitit'}")
+    return code
+
+
+def slurm_parameters(job: Any, run_dir: Path | str) -> dict[str, Any]:
+    """``SlurmExecutor.update_parameters`` keywords for a resolved job (pure).
+
+    The checkpoint signal and requeue flag of the spec are carried over, the profile's modules,
+    environment and setup lines become submitit ``setup`` lines (values shell-quoted), and srun
+    is told ``--cpus-per-task`` (since Slurm 22.05 srun no longer inherits it from sbatch).
+    """
+    spec, prof = job.spec, job.profile
+    ck = spec.checkpoint
+    setup: list[str] = []
+    if prof.modules:
+        setup.append("module purge")
+        setup += [f"module load {shlex.quote(m)}" for m in prof.modules]
+    setup += [f"export {k}={shlex.quote(v)}" for k, v in prof.env]
+    setup += list(prof.setup)
+    setup += [
+        f"export CYCLONE_RUN_DIR={shlex.quote(str(run_dir))}",
+        f"export OMP_NUM_THREADS={int(job.cpus_per_task)}",
+        f"export SUBMITIT_PREEMPT_SIGNAL={shlex.quote(ck.signal)}",
+    ]
+    extra: dict[str, Any] = {"signal": f"{ck.signal}@{ck.signal_lead_s}"}
+    if ck.requeue:
+        extra["requeue"] = True
+    if spec.resources.mem:
+        extra["mem"] = spec.resources.mem
+    params: dict[str, Any] = {
+        "job_name": spec.name,
+        "nodes": job.nodes,
+        "ntasks_per_node": job.ntasks_per_node,
+        "cpus_per_task": job.cpus_per_task,
+        "time": max(1, math.ceil(job.time_s / 60)),
+        "partition": job.partition.name,
+        "signal_delay_s": ck.signal_lead_s,
+        "setup": setup,
+        "srun_args": ["--cpus-per-task", str(job.cpus_per_task)],
+        "additional_parameters": extra,
+        "stderr_to_stdout": False,
+    }
+    if job.gpus_per_node:
+        if prof.gpu_request == "gres":
+            params["gres"] = f"gpu:{job.gpus_per_node}"
+        else:
+            params["gpus_per_node"] = job.gpus_per_node
+    if job.account:
+        params["account"] = job.account
+    if spec.resources.exclusive:
+        params["exclusive"] = True
+    return params
+
+
+def local_parameters(job: Any, timeout_min: float | None = None) -> dict[str, Any]:
+    """``LocalExecutor.update_parameters`` keywords for a resolved job (pure).
+
+    Raises:
+        ValidationError: the job spans several nodes (submitit's local executor has one).
+    """
+    if job.nodes != 1:
+        raise ValidationError(
+            f"submitit's local executor runs on one node, but the job asks for --nodes={job.nodes}",
+            hint="use --nodes 1, --backend local (pretend nodes), or run where Slurm is (sbatch on PATH)",
+        )
+    return {
+        "tasks_per_node": job.ntasks_per_node,
+        "timeout_min": timeout_min if timeout_min is not None else max(1.0, job.time_s / 60),
+        "signal_delay_s": job.spec.checkpoint.signal_lead_s,
+        "gpus_per_node": job.gpus_per_node,
+    }
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in os.environ and drop an enclosing launcher's variables; restore afterwards.
+
+    submitit's local executor copies os.environ into the job when it starts it.
+    """
+    from cyclone_kit.backends.local import clean_environment
+
+    saved = dict(os.environ)
+    try:
+        cleaned = clean_environment(os.environ)
+        os.environ.clear()
+        os.environ.update({**cleaned, **values})
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class SubmititBackend:
+    """Submit jobs as Python callables through submitit (Slurm or local executor).
+
+    Args:
+        executor: ``"auto"`` (Slurm when ``sbatch`` is on PATH, else local), ``"slurm"`` or ``"local"``.
+        python: the interpreter the job runs (default: this one).
+        wait: wait for Slurm jobs to finish before :meth:`submit_run` returns (local jobs always do).
+    """
+
+    name = "submitit"
+
+    def __init__(self, *, executor: str = "auto", python: str | None = None, wait: bool = False) -> None:
+        if executor not in EXECUTORS:
+            raise ValidationError(f"unknown submitit executor {executor!r}", hint=f"use one of: {', '.join(EXECUTORS)}")
+        self.executor = executor
+        self.python = python
+        self.wait = wait
+        self.jobs: dict[str, Any] = {}
+
+    def chosen_executor(self) -> str:
+        """``slurm`` or ``local``: what ``auto`` means on this machine."""
+        if self.executor != "auto":
+            return self.executor
+        forced = os.environ.get("CYCLONE_SUBMITIT_EXECUTOR", "").strip()
+        if forced:
+            if forced not in ("slurm", "local"):
+                raise ValidationError(f"CYCLONE_SUBMITIT_EXECUTOR={forced!r} is not an executor",
+                                      hint="set it to slurm or local (or unset it)")
+            return forced
+        return "slurm" if shutil.which("sbatch") else "local"
+
+    def submit_run(self, job: Any, run_dir: Path, *, dependency: str | None = None) -> str:
+        """Submit ``job`` for ``run_dir``; returns the Slurm job id (or the local controller's pid).
+
+        ``dependency`` (Slurm only) is an sbatch dependency such as ``afterany:123``.
+
+        Raises:
+            SlurmError: submitit could not submit to Slurm (sbatch missing or refusing).
+            RankFailure: a local run failed (the message quotes submitit's error).
+        """
+        run_dir = Path(run_dir).absolute()
+        folder = run_dir / "submitit"
+        if self.chosen_executor() == "slurm":
+            return self._submit_slurm(job, run_dir, folder, dependency)
+        return self._run_local(job, run_dir, folder)
+
+    def _submit_slurm(self, job: Any, run_dir: Path, folder: Path, dependency: str | None) -> str:
+        import submitit
+
+        params = slurm_parameters(job, run_dir)
+        if dependency:
+            params["dependency"] = dependency
+        try:
+            ex = submitit.SlurmExecutor(folder=folder, python=shlex.quote(self.python or sys.executable))
+            ex.update_parameters(**params)
+            handle = ex.submit(train, str(run_dir))
+        except RuntimeError as e:  # "Could not detect srun", sbatch failures (FailedJobError is one)
+            raise SlurmError(f"submitit could not submit to Slurm: {' '.join(str(e).split())[:400]}",
+                             hint="check that Slurm is reachable (sinfo) or use --backend local") from None
+        job_id = str(handle.job_id)
+        self.jobs[job_id] = handle
+        write_atomic(run_dir / "submitit_job", job_id + "\n")
+        if self.wait:
+            handle.wait()
+        return job_id
+
+    def _run_local(self, job: Any, run_dir: Path, folder: Path) -> str:
+        import submitit
+
+        from cyclone_kit.backends.local import available_cores, free_port, threads_per_rank
+
+        threads = threads_per_rank(job.world_size, available_cores())
+        env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "OMP_NUM_THREADS": str(threads),
+            "CYCLONE_RUN_DIR": str(run_dir),
+            "PYTHONUNBUFFERED": "1",
+        }
+        ex = submitit.LocalExecutor(folder=folder, python=shlex.quote(self.python or sys.executable))
+        ex.update_parameters(**local_parameters(job))
+        with _environment(env):
+            handle = ex.submit(train, str(run_dir))
+        job_id = str(handle.job_id)
+        self.jobs[job_id] = handle
+        write_atomic(run_dir / "submitit_job", job_id + "\n")
+        try:
+            handle.wait()
+            error = handle.exception()
+        except KeyboardInterrupt:
+            handle.cancel()
+            raise
+        if error is not None:
+            lines = [line for line in str(error).splitlines() if line.strip()]
+            raise RankFailure(
+                f"submitit local job {job_id} failed: {lines[-1] if lines else type(error).__name__}",
+                hint=f"see the task logs in {folder}",
+            )
+        return job_id
+
+    def job_state(self, job_id: str) -> str:
+        """submitit's view of a job submitted by this backend object (``RUNNING``, ``COMPLETED`` ...)."""
+        handle = self.jobs.get(job_id)
+        if handle is None:
+            raise ValidationError(f"job {job_id} was not submitted by this backend object",
+                                  hint="use `cyclone-kit status JOBID`")
+        return str(handle.state)
+
+    def wait_for(self, job_id: str) -> str:
+        """Block until a job submitted by this backend object ends; returns its final state."""
+        handle = self.jobs[job_id]
+        handle.wait()
+        return str(handle.state)

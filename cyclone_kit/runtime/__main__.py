@@ -1,0 +1,106 @@
+"""``python -m cyclone_kit.runtime --run-dir DIR [SPEC]``: train on this rank (run by every rank).
+
+Also the importable entry point :func:`run_training`, used by the submitit backend and the
+local launcher. A rank that fails writes ``DIR/ranks/error-rank-<rank:05d>.json`` (rank, host,
+exception type, message, traceback) and exits at once with a non-zero code, without waiting
+for its peers; they fail on their next collective (a closed connection, or the process-group
+timeout) and exit the same way, so no rank is left hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from cyclone_kit.errors import CycloneError
+
+
+def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> int:
+    """Train the job of ``run_dir`` on this process's rank (rank bootstrap from ``os.environ``).
+
+    Args:
+        run_dir: the run directory; metrics, checkpoints and per-rank records go there.
+        spec_path: the job spec (``.json`` or ``.toml``); default ``run_dir/spec.json``.
+
+    Returns:
+        0 when the run completed or stopped cleanly on a signal (checkpointed, maybe requeued).
+
+    Raises:
+        CycloneError: invalid spec, environment or data (one line with a HINT).
+        Exception: any training failure. In both cases the rank's error record is written first.
+    """
+    from cyclone_kit.config import load_spec
+    from cyclone_kit.runtime.env import detect
+    from cyclone_kit.runtime.signals import StopFlag
+
+    environ = os.environ
+    run_dir = Path(run_dir)
+    rank, host = _guess_rank(environ), environ.get("SLURMD_NODENAME") or socket.gethostname()
+    try:
+        spec = load_spec(Path(spec_path) if spec_path else run_dir / "spec.json")
+        # Catch the requeue signal (and SIGTERM) before the slow imports below.
+        stop_flag = StopFlag(spec.checkpoint.signal).install()
+        env = detect(environ)
+        rank, host = env.rank, env.host or host
+        from cyclone_kit.runtime.dist import teardown
+        from cyclone_kit.runtime.train import train
+
+        train(spec, run_dir, env, environ, stop_flag)
+        teardown()
+        return 0
+    except BaseException as exc:
+        try:
+            from cyclone_kit.runtime.metrics import write_error_record
+
+            write_error_record(run_dir, rank, host, exc, traceback.format_exc())
+        except OSError as write_error:
+            sys.stderr.write(f"cyclone_kit: could not write the error record: {write_error}\n")
+        raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the arguments, run :func:`run_training`, and exit without hanging on failure."""
+    parser = argparse.ArgumentParser(prog="python -m cyclone_kit.runtime",
+                                     description="Train a cyclone_kit job on this rank.")
+    parser.add_argument("--run-dir", default=os.environ.get("CYCLONE_RUN_DIR"),
+                        help="run directory (default: $CYCLONE_RUN_DIR)")
+    parser.add_argument("spec", nargs="?", help="job spec (default: RUN_DIR/spec.json)")
+    args = parser.parse_args(argv)
+    if not args.run_dir:
+        sys.stderr.write("error: no run directory HINT: pass --run-dir DIR (or export CYCLONE_RUN_DIR)\n")
+        return 2
+    try:
+        return run_training(args.run_dir, args.spec)
+    except CycloneError as e:
+        _die(f"error: [rank {_guess_rank(os.environ)}] {e}\n", e.exit_code)
+    except KeyboardInterrupt:
+        _die("error: interrupted\n", 130)
+    except BaseException:
+        _die(f"cyclone_kit: rank {_guess_rank(os.environ)} failed:\n{traceback.format_exc()}", 1)
+    return 1  # not reached
+
+
+def _die(message: str, code: int) -> None:
+    """Print and leave now: no process-group teardown that could wait on a dead peer."""
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _guess_rank(environ: Mapping[str, str]) -> int:
+    for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SUBMITIT_LOCAL_GLOBALID"):
+        raw = environ.get(key, "")
+        if raw.isdigit():
+            return int(raw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,541 @@
+"""The training engine: data-parallel training of a torchvision model, with metrics and checkpoints.
+
+The schedule maths (:func:`scaled_lr`, :func:`lr_factor`, :func:`make_plan`,
+:func:`resolve_precision`) is pure; :func:`train` is the loop. Properties it keeps:
+
+* **Correct DDP**: N ranks with batch B follow the same trajectory as 1 rank with batch N*B
+  (gradients averaged; the learning rate scaled by the global batch, Goyal et al. 2017).
+* **No per-step host syncs**: the loss stays on the device and is read (and averaged across
+  ranks) only every ``train.log_every`` steps; the stop flag travels on a separate gloo group.
+* **Exact resume**: a checkpoint after step s holds everything needed to continue with step
+  s+1 seeing the same batches, LR and RNG as an uninterrupted run.
+* **Strategies** are a small dispatch table (:data:`STRATEGIES`); DDP is built in, others
+  raise a ValidationError until they are added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cyclone_kit import __version__
+from cyclone_kit.config import JobSpec, TrainConfig
+from cyclone_kit.errors import CommandError, ValidationError
+from cyclone_kit.runtime import checkpoint as ckpt
+from cyclone_kit.runtime import metrics as mx
+from cyclone_kit.runtime.data import Data, auto_workers, build_data
+from cyclone_kit.runtime.dist import DeviceChoice, cpus_per_task, init_process_group, probe_device, setup_threads, warn
+from cyclone_kit.runtime.env import DistEnv
+from cyclone_kit.runtime.models import build_model
+from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue
+
+#: Steps between stop-flag all-reduces (overlapped with compute; see signals.StopAgreement).
+STOP_CHECK_EVERY = 1
+
+
+# --------------------------------------------------------------------------- pure schedule maths
+@dataclass(frozen=True)
+class Plan:
+    """The derived schedule of a run (pure function of the spec, world size and data size)."""
+
+    per_device_batch: int
+    grad_accum: int
+    global_batch: int
+    lr: float
+    warmup_steps: int
+    steps_per_epoch: int
+    total_steps: int
+
+
+def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str) -> float:
+    """The learning rate for ``global_batch``: linear (Goyal et al.), square-root, or unscaled."""
+    ratio = global_batch / base_batch
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier of 0-based optimizer step ``step``: linear warm-up, then cosine decay to 0."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_plan(train: TrainConfig, world_size: int, samples_per_rank: int) -> Plan:
+    """Batch sizes, scaled LR and step counts; ``train.epochs`` (when > 0) overrides ``train.steps``.
+
+    Raises:
+        ValidationError: an epoch would hold no optimizer step (data set too small).
+    """
+    global_batch = train.batch_size * world_size * train.grad_accum
+    steps_per_epoch = samples_per_rank // train.batch_size // train.grad_accum
+    if steps_per_epoch < 1:
+        raise ValidationError(
+            f"the data set gives each of the {world_size} rank(s) {samples_per_rank} samples, fewer than one "
+            f"optimizer step of batch_size {train.batch_size} x grad_accum {train.grad_accum}",
+            hint="lower train.batch_size or train.grad_accum, or use more data",
+        )
+    total = train.epochs * steps_per_epoch if train.epochs > 0 else train.steps
+    return Plan(
+        per_device_batch=train.batch_size,
+        grad_accum=train.grad_accum,
+        global_batch=global_batch,
+        lr=scaled_lr(train.lr, global_batch, train.base_batch_size, train.lr_scaling),
+        warmup_steps=min(train.warmup_steps, total),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total,
+    )
+
+
+def resolve_precision(requested: str, device_kind: str, bf16_supported: bool) -> str:
+    """``auto`` -> bf16 (or fp16) on CUDA, fp32 on CPU; fp16 on CPU falls back to fp32 (pure)."""
+    if device_kind != "cuda":
+        return "bf16" if requested == "bf16" else "fp32"
+    if requested == "auto":
+        return "bf16" if bf16_supported else "fp16"
+    if requested == "bf16" and not bf16_supported:
+        return "fp16"
+    return requested
+
+
+# --------------------------------------------------------------------------- strategies
+def _wrap_ddp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
+    if not distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(
+        model,
+        device_ids=[device.index] if device.kind == "cuda" else None,
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=train.bucket_cap_mb,
+        static_graph=train.static_graph,
+    )
+
+
+#: strategy name -> wrap(model, device, train, distributed) -> model. Add FSDP/Horovod here.
+STRATEGIES: dict[str, Callable[[nn.Module, DeviceChoice, TrainConfig, bool], nn.Module]] = {"ddp": _wrap_ddp}
+
+
+def wrap_model(strategy: str, model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
+    """Wrap ``model`` for ``strategy``.
+
+    Raises:
+        ValidationError: the strategy is not available in this runtime yet.
+    """
+    if strategy not in STRATEGIES:
+        raise ValidationError(
+            f"train.strategy {strategy!r} is not available yet in the cyclone_kit runtime",
+            hint=f"use one of: {', '.join(STRATEGIES)}",
+        )
+    return STRATEGIES[strategy](model, device, train, distributed)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside torch.compile and DDP wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
+# --------------------------------------------------------------------------- the engine
+@dataclass
+class _Window:
+    """Timing of the steps since the last log line (host clock; synced at log steps)."""
+
+    start: float
+    steps: int = 0
+    data_s: float = 0.0
+
+
+def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
+          stop_flag: StopFlag | None = None) -> str:
+    """Train ``spec`` on this rank; returns the end status (``completed`` or ``preempted``).
+
+    Writes ``metrics.jsonl`` (rank 0), ``ranks/rank-NNNNN.json`` and checkpoints under
+    ``run_dir``; resumes from the newest loadable checkpoint when ``checkpoint.resume``. On a
+    requeue signal under Slurm it checkpoints and requeues the job (see signals). Pass an
+    installed ``stop_flag`` to catch signals that arrive before training starts.
+
+    Raises:
+        ValidationError: bad data, model or strategy; anything else is a real failure (the
+            caller writes the error record). A ``failed`` end record is written before raising.
+    """
+    t_start = time.perf_counter()
+    run_dir = Path(run_dir)
+    tc, cc = spec.train, spec.checkpoint
+    stop_flag = stop_flag or StopFlag(cc.signal).install()
+    threads = setup_threads(environ)
+    device = probe_device(env, environ)
+    if device.warning and env.local_rank == 0:
+        warn(device.warning)
+    dev = torch.device(device.torch_device)
+    _seed_everything(tc.seed)
+    if tc.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    elif device.kind == "cuda":
+        torch.backends.cudnn.benchmark = True
+    distributed = init_process_group(env, device, tc.pg_timeout_s)
+    host = env.host or socket.gethostname()
+    hostnames = _gather_hosts(host, distributed)
+
+    channels_last = tc.channels_last and device.kind == "cuda"
+    workers = auto_workers(tc.num_workers, cpus_per_task(environ), tc.dataset != "imagefolder")
+    data = build_data(tc, env, dev, workers=workers, channels_last=channels_last)
+    plan = make_plan(tc, env.world_size, data.train.sampler.full_length())
+    precision = resolve_precision(tc.precision, device.kind,
+                                  device.kind == "cuda" and torch.cuda.is_bf16_supported())
+
+    torch.manual_seed(tc.seed)  # identical initial weights on every rank
+    model = build_model(tc.model, data.info.num_classes, data.info.image_size, data.info.channels).to(dev)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    _seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
+    wrapped = wrap_model(tc.strategy, model, device, tc, distributed)
+    runner = torch.compile(wrapped) if tc.compile else wrapped
+    optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, plan.warmup_steps, plan.total_steps))
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+
+    ckpt_dir = run_dir / "checkpoints"
+    step = 0
+    if cc.resume:
+        found = ckpt.load_latest(ckpt_dir)
+        if found is not None:
+            state, path = found
+            step = _restore(state, model, optimizer, scheduler, scaler, env)
+            if env.is_main:
+                print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
+    if step >= plan.total_steps:
+        if env.is_main:
+            print(f"cyclone_kit: the newest checkpoint is at step {step} of {plan.total_steps}: nothing to do",
+                  flush=True)
+        stop_flag.uninstall()
+        return "completed"
+
+    writer = mx.MetricsWriter(run_dir / mx.METRICS_FILE if env.is_main else None)
+    launcher = environ.get("CYCLONE_LAUNCHER") or env.launcher
+    writer.write(mx.record(
+        "start", run_id=run_dir.name, world_size=env.world_size, num_nodes=env.num_nodes,
+        local_world_size=env.local_world_size, per_device_batch_size=plan.per_device_batch,
+        global_batch_size=plan.global_batch, model=tc.model, dataset=tc.dataset, precision=precision,
+        strategy=tc.strategy, launcher=launcher, device=device.kind, device_name=device.name,
+        hostnames=hostnames, slurm_job_id=environ.get("SLURM_JOB_ID") or None, time=mx.utc_now(),
+        versions=_versions(), git_commit=mx.git_commit(environ.get("SLURM_SUBMIT_DIR") or os.getcwd())
+        if env.is_main else None, restart_count=env.restart_count,
+        grad_accum=plan.grad_accum, lr=plan.lr, total_steps=plan.total_steps, threads=threads,
+        start_step=step,
+    ))
+    if env.is_main:
+        print(f"cyclone_kit: {tc.model} on {tc.dataset}, world {env.world_size} ({env.num_nodes} node(s), "
+              f"{env.launcher}), {device.kind} {precision}, global batch {plan.global_batch}, lr {plan.lr:g}, "
+              f"steps {step}->{plan.total_steps}", flush=True)
+
+    loop = _Loop(spec, run_dir, env, environ, device, dev, data, plan, precision, model, runner, wrapped,
+                 optimizer, scheduler, scaler, writer, stop_flag, distributed, hostnames, host)
+    try:
+        status = loop.run(step, t_start)
+    except BaseException:
+        writer.write(mx.end_record("failed", loop.step, mx.steady_state(loop.global_rates), time.perf_counter()
+                                   - t_start, mx.utc_now()))
+        writer.close()
+        stop_flag.uninstall()
+        raise
+    writer.close()
+    stop_flag.uninstall()
+    return status
+
+
+class _Loop:
+    """The mutable state of one training segment (private; built by :func:`train`)."""
+
+    def __init__(self, spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
+                 device: DeviceChoice, dev: torch.device, data: Data, plan: Plan, precision: str,
+                 model: nn.Module, runner: nn.Module, wrapped: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, scaler: Any, writer: mx.MetricsWriter, stop_flag: StopFlag,
+                 distributed: bool, hostnames: list[str], host: str) -> None:
+        self.spec, self.tc, self.cc = spec, spec.train, spec.checkpoint
+        self.run_dir, self.env, self.environ = run_dir, env, environ
+        self.device, self.dev, self.data, self.plan = device, dev, data, plan
+        self.model, self.runner, self.wrapped = model, runner, wrapped
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.writer, self.stop_flag, self.distributed = writer, stop_flag, distributed
+        self.host = host
+        self.step = 0
+        self.global_rates: list[float] = []
+        self.local_rates: list[float] = []
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.autocast = (lambda: torch.autocast(device_type=dev.type, dtype=dtype)) if dtype else contextlib.nullcontext
+        self.criterion = nn.CrossEntropyLoss()
+        self.no_sync = getattr(wrapped, "no_sync", None)
+        self.bar: Any = None
+
+    # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
+    def _step(self, batches: Any, window: _Window, loss_sum: torch.Tensor) -> torch.Tensor:
+        accum = self.plan.grad_accum
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            x, y = next(batches)
+            window.data_s += time.perf_counter() - t0
+            sync = contextlib.nullcontext() if (micro == accum - 1 or self.no_sync is None) else self.no_sync()
+            with sync:
+                with self.autocast():
+                    loss = self.criterion(self.runner(x), y) / accum
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+            loss_sum = loss_sum + loss.detach().float()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_sum
+
+    def run(self, start_step: int, t_start: float) -> str:
+        """Train from ``start_step`` to the plan's end or an agreed stop; returns the status."""
+        plan, tc, cc, env = self.plan, self.tc, self.cc, self.env
+        self.step = step = start_step
+        agreement = StopAgreement(self.stop_flag, self.distributed, STOP_CHECK_EVERY)
+        epoch = step // plan.steps_per_epoch
+        self._start_epoch(epoch, step)
+        batches = iter(self.data.train)
+        epoch_t0 = time.perf_counter()
+        window = _Window(time.perf_counter())
+        loss_sum = torch.zeros((), device=self.dev)
+        agreed = NONE
+        self.bar = _progress(env, plan.total_steps, step)
+        self.model.train()
+        while step < plan.total_steps:
+            loss_sum = self._step(batches, window, loss_sum)
+            step += 1
+            self.step = step
+            window.steps += 1
+            if self.bar is not None:
+                self.bar.update(1)
+            if step % tc.log_every == 0 or step == plan.total_steps:
+                self._log(step, epoch, loss_sum, window)
+                loss_sum = torch.zeros((), device=self.dev)
+                window = _Window(time.perf_counter())
+            agreed = agreement.poll(step)
+            if agreed != NONE:
+                break
+            if cc.every_steps and step % cc.every_steps == 0 and step < plan.total_steps:
+                self._checkpoint(step, epoch)
+            if step % plan.steps_per_epoch == 0:
+                self._end_epoch(epoch, time.perf_counter() - epoch_t0, validate=self._val_due(epoch))
+                epoch += 1
+                if step < plan.total_steps:
+                    self._start_epoch(epoch, step)
+                    batches = iter(self.data.train)
+                    epoch_t0 = time.perf_counter()
+        agreement.finish()
+        if self.bar is not None:
+            self.bar.close()
+        if agreed == NONE and step % plan.steps_per_epoch:
+            self._end_epoch(epoch, time.perf_counter() - epoch_t0, validate=tc.val_every_epochs > 0)
+        self._checkpoint(step, epoch)
+        status = "completed" if agreed == NONE else "preempted"
+        wall = time.perf_counter() - t_start
+        self.writer.write(mx.end_record(status, step, mx.steady_state(self.global_rates), wall, mx.utc_now()))
+        self._rank_summary()
+        if env.is_main:
+            rate = mx.steady_state(self.global_rates)
+            print(f"cyclone_kit: {status} at step {step}/{plan.total_steps} in {wall:.1f} s"
+                  + (f", {rate:.1f} samples/s" if rate else ""), flush=True)
+        if agreed != NONE:
+            self._after_stop(agreed)
+        return status
+
+    def _start_epoch(self, epoch: int, step: int) -> None:
+        within = step - epoch * self.plan.steps_per_epoch
+        self.data.train.set_epoch(epoch, within * self.plan.grad_accum)
+
+    def _val_due(self, epoch: int) -> bool:
+        every = self.tc.val_every_epochs
+        return every > 0 and (epoch + 1) % every == 0
+
+    def _log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: _Window) -> None:
+        loss = loss_sum / max(window.steps, 1)
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            loss = loss / self.env.world_size
+        value = float(loss.item())  # the only host sync: once per log window
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        n = window.steps
+        global_rate = self.plan.global_batch * n / elapsed
+        self.global_rates.append(global_rate)
+        self.local_rates.append(self.plan.per_device_batch * self.plan.grad_accum * n / elapsed)
+        self.writer.write(mx.step_record(step, epoch, value, elapsed / n, window.data_s / n, global_rate,
+                                         mx.utc_now()))
+        if self.env.is_main:
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{global_rate:.0f}")
+            else:
+                print(f"step {step}/{self.plan.total_steps} epoch {epoch} loss {value:.4f} "
+                      f"step {elapsed / n * 1000:.1f} ms data {window.data_s / n * 1000:.1f} ms "
+                      f"{global_rate:.1f} samples/s", flush=True)
+
+    def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
+        accuracy = self._validate() if validate and self.data.val is not None else None
+        self.writer.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
+        if self.env.is_main and accuracy is not None:
+            print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
+
+    @torch.no_grad()
+    def _validate(self) -> float | None:
+        module = unwrap(self.model)
+        module.eval()
+        counts = torch.zeros(2, dtype=torch.float64, device=self.dev)
+        self.data.val.set_epoch(0)
+        for x, y in self.data.val:
+            with self.autocast():
+                pred = module(x).argmax(1)
+            counts[0] += (pred == y).sum()
+            counts[1] += y.numel()
+        module.train()
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        correct, total = counts.tolist()
+        return correct / total if total else None
+
+    def _checkpoint(self, step: int, epoch: int) -> None:
+        rng = ckpt.capture_rng()
+        if self.distributed:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(gathered, rng)
+            rngs = gathered
+        else:
+            rngs = [rng]
+        if self.env.is_main:
+            state = {
+                "model": unwrap(self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "step": step,
+                "epoch": epoch,
+                "sampler": {"epoch": step // self.plan.steps_per_epoch,
+                            "batch": (step % self.plan.steps_per_epoch) * self.plan.grad_accum},
+                "rng": rngs,
+                "world_size": self.env.world_size,
+                "global_batch": self.plan.global_batch,
+            }
+            if self.scaler is not None:
+                state["scaler"] = self.scaler.state_dict()
+            ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.cc.keep)
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def _rank_summary(self) -> None:
+        peak = None
+        if self.device.kind == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(self.dev))
+        else:
+            import resource
+
+            peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        mx.write_rank_summary(self.run_dir, self.env.rank, self.host, self.device.torch_device,
+                              mx.steady_state(self.local_rates), peak)
+
+    def _after_stop(self, agreed: int) -> None:
+        if not self.env.is_main:
+            return
+        yes, why = should_requeue(agreed, self.cc.requeue, self.env.restart_count, self.cc.max_requeues,
+                                  self.environ)
+        print(f"cyclone_kit: stopped on a signal after a checkpoint; {why}", flush=True)
+        if yes:
+            try:
+                requeue(self.environ)
+            except (CommandError, ValidationError) as e:
+                warn(f"requeue failed: {e}")
+
+
+# --------------------------------------------------------------------------- helpers
+def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             scaler: Any, env: DistEnv) -> int:
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    rngs = state.get("rng") or []
+    if len(rngs) == env.world_size:
+        ckpt.restore_rng(rngs[env.rank])
+    elif env.is_main and rngs:
+        warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
+             "RNG streams are reseeded, the rest resumes exactly")
+    return int(state["step"])
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def _gather_hosts(host: str, distributed: bool) -> list[str]:
+    """Every rank's host, deduplicated in rank order (rank 0's node first)."""
+    hosts = [host]
+    if distributed:
+        import torch.distributed as dist
+
+        hosts = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(hosts, host)
+    return list(dict.fromkeys(str(h) for h in hosts))
+
+
+def _versions() -> dict[str, str | None]:
+    try:
+        import torchvision
+
+        tv: str | None = torchvision.__version__
+    except ImportError:
+        tv = None
+    return {"torch": torch.__version__, "torchvision": tv, "cyclone_kit": __version__}
+
+
+def _progress(env: DistEnv, total: int, initial: int) -> Any:
+    """A tqdm bar on rank 0 when stdout is a terminal (and tqdm is installed), else None."""
+    if not env.is_main or not sys.stdout.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+

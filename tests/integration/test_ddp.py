@@ -1,0 +1,237 @@
+"""The training engine with real processes and real gloo process groups (CPU, 1 thread per rank).
+
+Each rank is a ``python -m cyclone_kit.runtime`` subprocess given torchrun-style variables
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the real bootstrap, process group,
+DDP, metrics and checkpoint code run; every process has a timeout so nothing can hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cyclone_kit.config import read_toml, spec_from_dict, spec_to_dict
+from cyclone_kit.runtime import checkpoint as ck
+from cyclone_kit.runtime.data import DEBIAN_FASHION_MNIST
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = REPO / "jobs" / "smoke.toml"
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_spec(run_dir: Path, **train: Any) -> Path:
+    """jobs/smoke.toml with ``train`` overrides, resolved to run_dir/spec.json."""
+    data = read_toml(SMOKE)
+    data["train"] = {**data["train"], **train}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "spec.json"
+    path.write_text(json.dumps(spec_to_dict(spec_from_dict(data))))
+    return path
+
+
+def clean_env() -> dict[str, str]:
+    drop = ("SLURM_", "OMPI_", "PMI_", "SUBMITIT_", "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def start_ranks(run_dir: Path, world: int) -> list[subprocess.Popen[str]]:
+    """Start ``world`` ranks of the runtime on run_dir (torchrun-style environment)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = clean_env()
+        if world > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)],
+                                      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = TIMEOUT_S) -> list[tuple[int, str, str]]:
+    """Wait for every rank (killing all on timeout); returns (exit code, stdout, stderr) per rank."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def run_ranks(run_dir: Path, world: int) -> list[tuple[int, str, str]]:
+    results = finish(start_ranks(run_dir, world))
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
+    return results
+
+
+def records(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines if line.strip()]
+    return [r for r in recs if kind is None or r["kind"] == kind]
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    state, _ = ck.load_latest(run_dir / "checkpoints")
+    return state["model"]
+
+
+# ------------------------------------------------------------------------ DDP correctness + metrics
+@pytest.fixture(scope="module")
+def pair_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """jobs/smoke.toml with 2 ranks x batch 32, and 1 rank x batch 64 (run concurrently)."""
+    base = tmp_path_factory.mktemp("pair")
+    one, two = base / "one-rank", base / "two-ranks"
+    write_spec(one, batch_size=64, log_every=1)
+    write_spec(two, batch_size=32, log_every=1)
+    procs_two = start_ranks(two, 2)
+    procs_one = start_ranks(one, 1)
+    for rank, (code, out, err) in enumerate(finish(procs_two) + finish(procs_one)):
+        assert code == 0, f"process {rank} exited {code}\n{out}\n{err}"
+    return {"one": one, "two": two}
+
+
+def test_two_ranks_with_batch_b_match_one_rank_with_batch_2b(pair_runs: dict[str, Path]) -> None:
+    p1, p2 = final_params(pair_runs["one"]), final_params(pair_runs["two"])
+    assert p1.keys() == p2.keys()
+    for name in p1:
+        torch.testing.assert_close(p2[name], p1[name], rtol=1e-3, atol=1e-4, msg=f"parameter {name} differs")
+    l1 = [r["loss"] for r in records(pair_runs["one"], "step")]
+    l2 = [r["loss"] for r in records(pair_runs["two"], "step")]
+    assert l2 == pytest.approx(l1, rel=1e-4, abs=1e-5)
+
+
+def test_two_rank_run_writes_the_metrics_contract(pair_runs: dict[str, Path]) -> None:
+    run = pair_runs["two"]
+    recs = records(run)
+    assert all(r["schema"] == 1 for r in recs)
+    assert next(r["kind"] for r in recs) == "start" and recs[-1]["kind"] == "end"
+    start, end = recs[0], recs[-1]
+    assert (start["world_size"], start["num_nodes"], start["local_world_size"]) == (2, 1, 2)
+    assert (start["per_device_batch_size"], start["global_batch_size"]) == (32, 64)
+    assert (start["model"], start["dataset"], start["precision"], start["device"]) == (
+        "tiny_cnn", "synthetic", "fp32", "cpu")
+    assert start["launcher"] == "torchrun" and start["slurm_job_id"] is None
+    assert set(start["versions"]) == {"torch", "torchvision", "cyclone_kit"} and start["restart_count"] == 0
+    assert isinstance(start["hostnames"], list) and start["hostnames"]
+    steps = records(run, "step")
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    losses = [r["loss"] for r in steps]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, f"loss did not fall: {losses}"
+    assert all(r["samples_per_s"] > 0 and r["step_time_s"] > 0 and r["data_time_s"] >= 0 for r in steps)
+    assert end["status"] == "completed" and end["steps"] == 30 and end["samples_per_s"] > 0
+    assert end["wall_time_s"] > 0
+    epochs = records(run, "epoch")
+    assert epochs and epochs[-1]["val_accuracy"] is not None
+    for rank in (0, 1):
+        summary = json.loads((run / "ranks" / f"rank-{rank:05d}.json").read_text())
+        assert summary["rank"] == rank and summary["samples_per_s"] > 0 and summary["peak_memory_bytes"] > 0
+    assert [s for s, _ in ck.list_checkpoints(run / "checkpoints")] == [30, 20]  # keep = 2
+
+
+# ------------------------------------------------------------------------ exact resume after a signal
+def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(
+        pair_runs: dict[str, Path], tmp_path: Path) -> None:
+    reference = {r["step"]: r["loss"] for r in records(pair_runs["one"], "step")}
+    run = tmp_path / "resumed"
+    write_spec(run, batch_size=64, log_every=1)
+    (proc,) = start_ranks(run, 1)
+    deadline = time.monotonic() + TIMEOUT_S
+    metrics = run / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and '"kind":"step"' in metrics.read_text():
+            proc.send_signal(signal.SIGUSR2)  # the requeue signal: checkpoint and stop (no Slurm here)
+            break
+        time.sleep(0.01)
+    (code, out, err), = finish([proc])
+    assert code == 0, err
+    first = records(run)
+    assert first[-1]["kind"] == "end" and first[-1]["status"] == "preempted", "the run finished before the signal"
+    stopped_at = first[-1]["steps"]
+    assert 1 <= stopped_at < 30
+    assert "not running under Slurm" in out
+    run_ranks(run, 1)  # the same command again resumes
+    recs = records(run)
+    starts = [r for r in recs if r["kind"] == "start"]
+    ends = [r for r in recs if r["kind"] == "end"]
+    assert len(starts) == 2 and [e["status"] for e in ends] == ["preempted", "completed"]
+    assert starts[1]["start_step"] == stopped_at
+    steps = [r["step"] for r in recs if r["kind"] == "step"]
+    assert sorted(steps) == list(range(1, 31)), "every optimizer step exactly once"
+    resumed = {r["step"]: r["loss"] for r in recs if r["kind"] == "step"}
+    assert resumed == pytest.approx(reference, rel=1e-6, abs=1e-7)
+    p_ref, p_res = final_params(pair_runs["one"]), final_params(run)
+    for name in p_ref:
+        torch.testing.assert_close(p_res[name], p_ref[name], rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------ failures never hang
+def test_a_killed_rank_makes_the_other_exit_promptly_with_an_error_record(tmp_path: Path) -> None:
+    run = tmp_path / "killed"
+    write_spec(run, steps=100000, log_every=1, pg_timeout_s=60)
+    procs = start_ranks(run, 2)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and not (metrics.is_file() and '"kind":"step"' in metrics.read_text()):
+        time.sleep(0.05)
+    procs[1].kill()
+    killed_at = time.monotonic()
+    (code0, _, _err0), _ = finish(procs, timeout=90)
+    took = time.monotonic() - killed_at
+    assert code0 not in (0, None) and took < 60, f"rank 0 exited {code0} after {took:.1f} s"
+    record = json.loads((run / "ranks" / "error-rank-00000.json").read_text())
+    assert record["rank"] == 0 and record["traceback"] and record["type"]
+    assert records(run)[-1]["status"] == "failed"
+
+
+def test_a_failing_rank_writes_its_error_record_and_one_line(tmp_path: Path) -> None:
+    run = tmp_path / "bad-data"
+    write_spec(run, dataset="cifar10", data_dir=str(tmp_path / "no-such-dir"))
+    (code, _out, err), = finish(start_ranks(run, 1))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "CIFAR-10 not found" in lines[0] and "HINT:" in lines[0]
+    record = json.loads((run / "ranks" / "error-rank-00000.json").read_text())
+    assert record["type"] == "ValidationError" and "CIFAR-10 not found" in record["message"]
+
+
+# ------------------------------------------------------------------------ real data
+@pytest.mark.skipif(not (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file(),
+                    reason=f"Debian's dataset-fashion-mnist is not installed ({DEBIAN_FASHION_MNIST})")
+def test_fashion_mnist_short_run_reaches_a_sane_accuracy(tmp_path: Path) -> None:
+    run = tmp_path / "fmnist"
+    write_spec(run, dataset="fashion_mnist", data_dir=str(DEBIAN_FASHION_MNIST), steps=300, batch_size=64,
+               lr=0.3, base_batch_size=64, warmup_steps=20, log_every=50, val_samples=2000)
+    started = time.monotonic()
+    run_ranks(run, 1)
+    took = time.monotonic() - started
+    epochs = records(run, "epoch")
+    accuracy = epochs[-1]["val_accuracy"]
+    print(f"Fashion-MNIST tiny_cnn 300 steps x 64: val accuracy {accuracy:.3f} in {took:.1f} s (process)")
+    assert accuracy > 0.70
+    assert records(run, "end")[-1]["status"] == "completed"

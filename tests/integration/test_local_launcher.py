@@ -1,0 +1,236 @@
+"""The local launcher with real processes: Slurm-like rank environments, a real 2-rank training run,
+and rank failure (SIGKILL mid-run) -> the others stopped within seconds, root cause first, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cyclone_kit.backends.local import FAILURE_FILE, LAUNCH_FILE, launch
+from tests.conftest import REPO
+
+SMOKE = REPO / "jobs" / "smoke.toml"
+#: seconds a launch may take to stop every rank after the first failure (SIGTERM grace is 5 s)
+STOP_LIMIT_S = 10.0
+
+
+def processes_of_job(job_id: str) -> list[int]:
+    """Live pids whose environment carries SLURM_JOB_ID=<job_id> (ranks and anything they started)."""
+    needle = f"SLURM_JOB_ID={job_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_complete_records(path: Path) -> list[dict]:
+    """The records of a metrics file being written (a half-written last line is skipped)."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+# --------------------------------------------------------------------------- environments (stub ranks)
+DUMP = ("import json, os, sys; "
+        "json.dump(dict(os.environ), open(sys.argv[1] + '/env-' + os.environ['SLURM_PROCID'] + '.json', 'w'))")
+
+
+def test_ranks_get_a_slurm_like_environment_that_the_runtime_detects(tmp_path: Path) -> None:
+    from cyclone_kit.runtime.env import detect
+
+    result = launch(tmp_path, 4, 2, threads=1, command=[sys.executable, "-c", DUMP, str(tmp_path)],
+                    environ={**os.environ, "SLURM_JOB_ID": "77", "RANK": "3", "SLURM_PROCID": "9"})
+    assert result.ok, result
+    envs = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(4)]
+    for rank, env in enumerate(envs):
+        assert (env["SLURM_PROCID"], env["SLURM_LOCALID"], env["SLURM_NODEID"]) == (str(rank), str(rank % 2), str(rank // 2))
+        assert env["SLURM_NTASKS"] == "4" and env["SLURM_TASKS_PER_NODE"] == "2(x2)"
+        assert env["SLURM_JOB_NODELIST"] == "127.0.0.[1-2]" and env["SLURM_STEP_ID"] == "0"
+        assert env["SLURM_JOB_ID"] == result.job_id != "77"  # the enclosing job's variables do not leak
+        assert "RANK" not in env
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["OMP_NUM_THREADS"] == "1"
+        dist = detect(env)
+        assert (dist.rank, dist.local_rank, dist.node_rank, dist.world_size, dist.num_nodes) == (
+            rank, rank % 2, rank // 2, 4, 2)
+        assert (dist.master_addr, dist.master_port) == ("127.0.0.1", int(envs[0]["MASTER_PORT"]))
+    launched = json.loads((tmp_path / LAUNCH_FILE).read_text())
+    assert [r["host"] for r in launched["ranks"]] == ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    assert not (tmp_path / FAILURE_FILE).exists()
+
+
+FAIL_ONE = """
+import os, signal, sys, time
+rank = int(os.environ["SLURM_PROCID"])
+if rank == 1:
+    time.sleep(0.5)
+    print("rank 1 about to die", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn rank: only SIGKILL stops it
+os.fork() == 0 and time.sleep(120)             # and a child in its process group
+time.sleep(120)
+"""
+
+
+def test_a_dead_rank_stops_stubborn_ranks_and_their_children(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = launch(tmp_path, 3, 1, threads=1, command=[sys.executable, "-c", FAIL_ONE], grace_s=1.0)
+    took = time.monotonic() - started
+    assert result.returncode == 1 and took < STOP_LIMIT_S
+    first = result.first_failure
+    assert first is not None and (first.rank, first.how) == (1, "killed by SIGKILL")
+    assert all(e.stopped for e in result.exits if e.rank != 1)
+    doc = json.loads((tmp_path / FAILURE_FILE).read_text())
+    assert (doc["rank"], doc["signal"], doc["host"], doc["cause"]) == (1, "SIGKILL", "localhost", "rank_failed")
+    assert doc["stderr_tail"] == ["rank 1 about to die"]
+    assert processes_of_job(result.job_id) == []
+
+
+def test_nonzero_exit_code_and_error_record_are_the_root_cause(tmp_path: Path) -> None:
+    code = ("import json, os, sys, time\nr = int(os.environ['SLURM_PROCID'])\n"
+            "if r == 0:\n    time.sleep(30)\n"
+            "os.makedirs(sys.argv[1] + '/ranks', exist_ok=True)\n"
+            "json.dump({'rank': r, 'host': 'h', 'type': 'ValueError', 'message': 'bad batch', 'traceback': ''},"
+            " open(sys.argv[1] + '/ranks/error-rank-00001.json', 'w'))\n"
+            "print('Traceback: ValueError: bad batch', file=sys.stderr)\nsys.exit(3)\n")
+    result = launch(tmp_path, 2, 1, threads=1, command=[sys.executable, "-c", code, str(tmp_path)])
+    assert result.first_failure is not None and result.first_failure.returncode == 3
+    doc = json.loads((tmp_path / FAILURE_FILE).read_text())
+    assert doc["summary"].startswith("rank 1 on host localhost")
+    assert "exit code 3" in doc["summary"] and "ValueError: bad batch" in doc["summary"]
+    assert result.stop_s is not None and result.stop_s < STOP_LIMIT_S
+
+
+def test_launch_timeout_stops_every_rank(tmp_path: Path) -> None:
+    result = launch(tmp_path, 2, 1, threads=1, command=[sys.executable, "-c", "import time; time.sleep(60)"],
+                    timeout_s=1.0, grace_s=1.0)
+    assert result.interrupted and result.returncode == 130
+    assert json.loads((tmp_path / FAILURE_FILE).read_text())["cause"] == "interrupted"
+    assert processes_of_job(result.job_id) == []
+
+
+# --------------------------------------------------------------------------- the real engine
+def _run_cli(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cyclone_kit", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)
+
+
+def _only_dir(path: Path) -> Path:
+    (run_dir,) = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_two_rank_smoke_run_trains_with_world_size_two(tmp_path: Path) -> None:
+    proc = _run_cli("run", str(SMOKE), "--nproc", "2", "--runs-dir", str(tmp_path), "--quiet")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    run_dir = _only_dir(tmp_path)
+    records = read_records(run_dir / "metrics.jsonl")
+    start = next(r for r in records if r["kind"] == "start")
+    end = [r for r in records if r["kind"] == "end"][-1]
+    assert (start["world_size"], start["num_nodes"], start["device"]) == (2, 1, "cpu")
+    assert end["status"] == "completed" and end["samples_per_s"] > 0
+    steps = [r for r in records if r["kind"] == "step"]
+    assert steps and steps[-1]["loss"] < steps[0]["loss"]
+    spec = json.loads((run_dir / "spec.json").read_text())
+    assert (spec["resources"]["nodes"], spec["resources"]["ntasks_per_node"]) == (1, 2)
+    assert (run_dir / "logs" / "rank-0.out").exists() and (run_dir / "logs" / "rank-1.err").exists()
+    assert "run dir:" in out and "completed" in out
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_rank_mid_run_ends_the_run_within_seconds(tmp_path: Path) -> None:
+    """Issue 7, item 1 (local half): SIGKILL one rank of a 2-node run in the middle of training."""
+    proc = _run_cli("run", str(SMOKE), "--nproc", "2", "--nodes", "2", "--runs-dir", str(tmp_path), "--quiet",
+                    "--set", "train.steps=100000", "--set", "train.epochs=0", "--set", "train.log_every=1")
+    try:
+        wait_for(lambda: any(tmp_path.glob("*/metrics.jsonl")), 120, "the first metrics")
+        run_dir = _only_dir(tmp_path)
+        wait_for(lambda: any(r.get("kind") == "step" for r in read_complete_records(run_dir / "metrics.jsonl")),
+                 120, "a training step")
+        launched = json.loads((run_dir / LAUNCH_FILE).read_text())
+        victim = launched["ranks"][1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        exit_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert exit_s < STOP_LIMIT_S, f"launcher took {exit_s:.1f} s to exit after the SIGKILL"
+    first_line = err.splitlines()[0]
+    assert first_line.startswith("error: rank 1 on host 127.0.0.2") and "killed by SIGKILL" in first_line
+    doc = json.loads((run_dir / FAILURE_FILE).read_text())
+    assert (doc["rank"], doc["host"], doc["signal"]) == (1, "127.0.0.2", "SIGKILL")
+    assert processes_of_job(launched["job_id"]) == []
+    print(f"launcher exited {exit_s:.2f} s after SIGKILL of rank 1; all ranks gone {doc['stop_s']} s after it")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
+    proc = _run_cli("run", str(SMOKE), "--nproc", "2", "--runs-dir", str(tmp_path), "--quiet",
+                    "--set", "train.steps=100000", "--set", "train.epochs=0")
+    try:
+        wait_for(lambda: any(tmp_path.glob("*/launch.json")), 60, "the ranks to start")
+        run_dir = _only_dir(tmp_path)
+        job_id = json.loads((run_dir / LAUNCH_FILE).read_text())["job_id"]
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        interrupted_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        exit_s = time.monotonic() - interrupted_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert exit_s < STOP_LIMIT_S
+    assert processes_of_job(job_id) == []
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nproc", "3", "--nodes", "2"], "does not split evenly over --nodes=2"),
+    (["--nproc", "0"], "--nproc=0 must be at least 1"),
+    (["--threads", "0"], "--threads=0 must be at least 1"),
+])
+def test_run_refuses_bad_layouts_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    from tests.conftest import run_cli
+
+    result = run_cli("run", str(SMOKE), "--runs-dir", str(tmp_path / "runs"), *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "HINT:" in lines[0]
+    assert not (tmp_path / "runs").exists()

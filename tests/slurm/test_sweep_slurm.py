@@ -1,0 +1,48 @@
+"""`sweep --backend slurm` on the local Slurm cluster: 1, 2 and 2x2 CPU ranks, then the report job.
+
+Issue 5's "done when": the points (sized for 2 nodes x 2 CPU tasks) complete and the report job,
+which depends on all of them, writes the table.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from cyclone_kit.backends.slurm import SlurmBackend
+from tests.conftest import REPO, run_cli
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def test_strong_scaling_study_on_slurm(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    result = run_cli("sweep", str(REPO / "jobs" / "strong_scaling.toml"), "--backend", "slurm", "--runs-dir",
+                     str(runs), "--set", "train.steps=12", "--set", "train.log_every=4", "--wait", timeout=480)
+    (study,) = list(runs.iterdir())
+    try:
+        assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        submitted = json.loads((study / "submitted.json").read_text())
+        backend = SlurmBackend()
+        for job_id in [r["job_id"] for r in submitted["runs"]] + [submitted["report"]["job_id"]]:
+            backend.cancel(job_id)  # a no-op for finished jobs
+    sweep = json.loads((study / "sweep.json").read_text())
+    assert [p["world_size"] for p in sweep["points"]] == [1, 2, 4]
+    # serial = true: each point waits for the previous one
+    ids = [r["job_id"] for r in submitted["runs"]]
+    assert f"#SBATCH --dependency=afterany:{ids[0]}\n" in (study / "p1-ws2-n1x2" / "job.sbatch").read_text()
+    assert f"--dependency=afterany:{':'.join(ids)}\n" in (study / "report.sbatch").read_text()
+    start = json.loads((study / "p2-ws4-n2x2" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (start["world_size"], start["num_nodes"], start["hostnames"]) == (4, 2, ["c1", "c2"])
+    assert start["slurm_job_id"] == ids[2]
+    with open(study / "report" / "scaling.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["world_size"]) for r in rows] == [1, 2, 4]
+    assert [int(r["per_device_batch_size"]) for r in rows] == [64, 32, 16]
+    assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    assert (study / "report" / "report.html").is_file()
+    assert list((study / "logs").glob("report-*.out"))
