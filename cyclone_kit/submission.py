@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cyclone_kit.backends import get_backend
+from cyclone_kit.errors import RankFailure
 from cyclone_kit.render import render_script
 from cyclone_kit.rundir import create_run_dir, remove_run_dir, run_dir_name, write_atomic
 from cyclone_kit.validate import ResolvedJob
@@ -36,6 +37,8 @@ def submit_job(job: ResolvedJob, runs_dir: Path, backend: str = "slurm") -> tupl
         job_id = str(chosen.submit_run(job, run_dir))
         write_atomic(run_dir / "job_id", job_id + "\n")
         write_atomic(run_dir / "backend", backend + "\n")
+    except RankFailure:
+        raise  # the run happened (local backend): keep its logs and failure.json
     except BaseException:
         remove_run_dir(run_dir)
         raise

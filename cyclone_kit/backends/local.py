@@ -300,13 +300,15 @@ def failure_record(result: LaunchResult) -> dict[str, Any]:
         "ranks": ranks,
     }
     if first is None:
-        doc.update(cause="interrupted", summary="interrupted: the launcher was stopped (Ctrl-C or SIGTERM) "
-                   "and stopped every rank", rank=None, host=None)
+        summary = "interrupted: the launcher was stopped (Ctrl-C, SIGTERM or --timeout) and stopped every rank"
+        doc.update(cause="interrupted", summary=summary, root_cause=summary, rank=None, host=None)
         return doc
     error = read_error_record(result.run_dir, first.rank)
+    summary = root_cause_line(first, error)
     doc.update(
         cause="rank_failed",
-        summary=root_cause_line(first, error),
+        summary=summary,
+        root_cause=summary,  # the key cyclone_kit.runinfo (status, logs) reads
         rank=first.rank,
         host=first.host,
         pid=first.pid,
@@ -355,6 +357,7 @@ def launch(
     timeout_s: float | None = None,
     echo: IO[str] | None = None,
     environ: Mapping[str, str] | None = None,
+    extra_env: Mapping[str, str] | None = None,
     on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
 ) -> LaunchResult:
     """Start ``nproc`` ranks over ``nodes`` pretend nodes of this host and wait for them.
@@ -372,6 +375,7 @@ def launch(
         echo: a stream that receives rank 0's stdout as it is written (None: silent).
         environ: the base environment (default ``os.environ``; an enclosing launcher's
             variables are removed).
+        extra_env: variables set for every rank on top (e.g. ``CUDA_VISIBLE_DEVICES=""`` for CPU only).
         on_start: called with the rank processes once all are started.
 
     Returns:
@@ -384,6 +388,7 @@ def launch(
     job_id = new_job_id()
     envs = rank_environments(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads,
                              run_dir=run_dir, job_name=job_name, base=os.environ if environ is None else environ)
+    envs = [{**env, **(extra_env or {})} for env in envs]
     argv = list(command) if command else [sys.executable, "-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)]
 
     procs: list[subprocess.Popen[bytes]] = []

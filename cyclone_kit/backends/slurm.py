@@ -89,6 +89,10 @@ class SlurmBackend:
             )
         return parse_sbatch_parsable(result.stdout)
 
+    def submit_run(self, job: object, run_dir: Path) -> str:
+        """Submit a prepared run directory's ``job.sbatch`` (the backend protocol's entry)."""
+        return self.submit(Path(run_dir) / "job.sbatch", Path(run_dir))
+
     def status(self, job_id: str) -> JobInfo:
         """The job's current :class:`JobInfo`.
 

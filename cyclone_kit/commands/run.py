@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch threads per rank (default: this machine's cores / --nproc)")
     p.add_argument("--runs-dir", default="runs", help="where run directories are created (default: ./runs)")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this many seconds")
+    p.add_argument("--cpu", action="store_true", help="hide every GPU from the ranks (CUDA_VISIBLE_DEVICES=''); "
+                   "needed when --nproc is larger than the number of GPUs here")
     p.add_argument("--quiet", action="store_true", help="do not echo rank 0's output")
     p.set_defaults(func=run)
 
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {run_dir / 'logs'}", flush=True)
     result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
-                    timeout_s=args.timeout, echo=None if args.quiet else sys.stdout)
+                    timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
+                    extra_env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None)
     write_atomic(run_dir / "job_id", result.job_id + "\n")
     write_atomic(run_dir / "backend", "local\n")
     if result.ok:

@@ -109,6 +109,13 @@ class StopAgreement:
             self._work = None
 
 
+def under_slurm(environ: Mapping[str, str]) -> bool:
+    """True inside a real Slurm job (the local launcher's fake SLURM_JOB_ID does not count)."""
+    if environ.get("CYCLONE_LAUNCHER") == "local":
+        return False
+    return bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_ARRAY_JOB_ID"))
+
+
 def should_requeue(agreed: int, requeue_enabled: bool, restart_count: int, max_requeues: int,
                    environ: Mapping[str, str]) -> tuple[bool, str]:
     """Decide whether to requeue (pure); returns (yes/no, the reason in words)."""
@@ -116,7 +123,7 @@ def should_requeue(agreed: int, requeue_enabled: bool, restart_count: int, max_r
         return False, "stopped by SIGTERM (scancel or preemption): not requeued"
     if not requeue_enabled:
         return False, "checkpoint.requeue is false"
-    if not (environ.get("SLURM_JOB_ID") or environ.get("SLURM_ARRAY_JOB_ID")):
+    if not under_slurm(environ):
         return False, "not running under Slurm"
     if restart_count >= max_requeues:
         return False, f"already requeued {restart_count} time(s) (checkpoint.max_requeues={max_requeues})"

@@ -39,7 +39,7 @@ from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import DeviceChoice, cpus_per_task, init_process_group, probe_device, setup_threads, warn
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue
+from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
 
 #: Steps between stop-flag all-reduces (overlapped with compute; see signals.StopAgreement).
 STOP_CHECK_EVERY = 1
@@ -239,7 +239,8 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         local_world_size=env.local_world_size, per_device_batch_size=plan.per_device_batch,
         global_batch_size=plan.global_batch, model=tc.model, dataset=tc.dataset, precision=precision,
         strategy=tc.strategy, launcher=launcher, device=device.kind, device_name=device.name,
-        hostnames=hostnames, slurm_job_id=environ.get("SLURM_JOB_ID") or None, time=mx.utc_now(),
+        hostnames=hostnames, slurm_job_id=environ.get("SLURM_JOB_ID") if under_slurm(environ) else None,
+        time=mx.utc_now(),
         versions=_versions(), git_commit=mx.git_commit(environ.get("SLURM_SUBMIT_DIR") or os.getcwd())
         if env.is_main else None, restart_count=env.restart_count,
         grad_accum=plan.grad_accum, lr=plan.lr, total_steps=plan.total_steps, threads=threads,

@@ -70,7 +70,8 @@ def test_ranks_get_a_slurm_like_environment_that_the_runtime_detects(tmp_path: P
     from cyclone_kit.runtime.env import detect
 
     result = launch(tmp_path, 4, 2, threads=1, command=[sys.executable, "-c", DUMP, str(tmp_path)],
-                    environ={**os.environ, "SLURM_JOB_ID": "77", "RANK": "3", "SLURM_PROCID": "9"})
+                    environ={**os.environ, "SLURM_JOB_ID": "77", "RANK": "3", "SLURM_PROCID": "9"},
+                    extra_env={"CUDA_VISIBLE_DEVICES": ""})
     assert result.ok, result
     envs = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(4)]
     for rank, env in enumerate(envs):
@@ -80,6 +81,7 @@ def test_ranks_get_a_slurm_like_environment_that_the_runtime_detects(tmp_path: P
         assert env["SLURM_JOB_ID"] == result.job_id != "77"  # the enclosing job's variables do not leak
         assert "RANK" not in env
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["OMP_NUM_THREADS"] == "1"
+        assert env["CUDA_VISIBLE_DEVICES"] == ""
         dist = detect(env)
         assert (dist.rank, dist.local_rank, dist.node_rank, dist.world_size, dist.num_nodes) == (
             rank, rank % 2, rank // 2, 4, 2)

@@ -22,7 +22,9 @@ def test_strong_scaling_study_on_slurm(slurm_cluster: dict[str, str], tmp_path: 
     runs = tmp_path / "runs"
     result = run_cli("sweep", str(REPO / "jobs" / "strong_scaling.toml"), "--backend", "slurm", "--runs-dir",
                      str(runs), "--set", "train.steps=12", "--set", "train.log_every=4", "--wait", timeout=480)
-    (study,) = list(runs.iterdir())
+    studies = list(runs.iterdir()) if runs.exists() else []
+    assert len(studies) == 1, result.stdout + result.stderr
+    study = studies[0]
     try:
         assert result.returncode == 0, result.stdout + result.stderr
     finally:
@@ -46,3 +48,29 @@ def test_strong_scaling_study_on_slurm(slurm_cluster: dict[str, str], tmp_path: 
     assert all(float(r["samples_per_s"]) > 0 for r in rows)
     assert (study / "report" / "report.html").is_file()
     assert list((study / "logs").glob("report-*.out"))
+
+
+def test_weak_scaling_study_through_submitit(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    result = run_cli("sweep", str(REPO / "jobs" / "weak_scaling.toml"), "--backend", "submitit", "--runs-dir",
+                     str(runs), "--set", "train.steps=8", "--wait", timeout=480,
+                     env={"CYCLONE_SUBMITIT_EXECUTOR": "slurm"})
+    studies = list(runs.iterdir()) if runs.exists() else []
+    assert len(studies) == 1, result.stdout + result.stderr
+    study = studies[0]
+    submitted = json.loads((study / "submitted.json").read_text())
+    try:
+        assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        backend = SlurmBackend()
+        for job_id in [r["job_id"] for r in submitted["runs"]] + [submitted["report"]["job_id"]]:
+            backend.cancel(job_id)
+    assert submitted["backend"] == "submitit"
+    for point in json.loads((study / "sweep.json").read_text())["points"]:
+        start = json.loads((study / point["run_dir"] / "metrics.jsonl").read_text().splitlines()[0])
+        assert (start["launcher"], start["world_size"], start["per_device_batch_size"]) == (
+            "submitit", point["world_size"], 32)
+    with open(study / "report" / "scaling.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["mode"], int(r["world_size"]), int(r["global_batch_size"])) for r in rows] == [
+        ("weak", 1, 32), ("weak", 2, 64), ("weak", 4, 128)]
