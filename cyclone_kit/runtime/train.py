@@ -248,7 +248,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     ))
     if env.is_main:
         print(f"cyclone_kit: {tc.model} on {tc.dataset}, world {env.world_size} ({env.num_nodes} node(s), "
-              f"{env.launcher}), {device.kind} {precision}, global batch {plan.global_batch}, lr {plan.lr:g}, "
+              f"{launcher}), {device.kind} {precision}, global batch {plan.global_batch}, lr {plan.lr:g}, "
               f"steps {step}->{plan.total_steps}", flush=True)
 
     loop = _Loop(spec, run_dir, env, environ, device, dev, data, plan, precision, model, runner, wrapped,

@@ -209,6 +209,7 @@ def test_a_killed_rank_makes_the_other_exit_promptly_with_an_error_record(tmp_pa
     killed_at = time.monotonic()
     (code0, _, _err0), _ = finish(procs, timeout=90)
     took = time.monotonic() - killed_at
+    print(f"rank 0 exited {code0} {took:.1f} s after rank 1 was killed")
     assert code0 not in (0, None) and took < 60, f"rank 0 exited {code0} after {took:.1f} s"
     record = json.loads((run / "ranks" / "error-rank-00000.json").read_text())
     assert record["rank"] == 0 and record["traceback"] and record["type"]

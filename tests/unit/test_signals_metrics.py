@@ -1,0 +1,87 @@
+"""Stop signals (real signals to this process) and the metrics writer/records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from cyclone_kit.runtime import metrics as mx
+from cyclone_kit.runtime.signals import NONE, REQUEUE, STOP, StopAgreement, StopFlag, should_requeue, under_slurm
+
+
+def test_requeue_signal_and_sigterm_set_the_flag_and_never_raise() -> None:
+    flag = StopFlag("USR2").install()
+    try:
+        assert StopAgreement(flag, distributed=False).poll(1) == NONE
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.value == STOP
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGUSR2)  # a second signal (e.g. during the checkpoint) changes nothing
+        assert flag.value == REQUEUE and flag.received == [signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR2]
+        assert StopAgreement(flag, distributed=False).poll(7) == REQUEUE
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    ("agreed", "enabled", "restarts", "environ", "expected", "why"),
+    [
+        (REQUEUE, True, 0, {"SLURM_JOB_ID": "5"}, True, "requeue 1 of at most 3"),
+        (REQUEUE, True, 3, {"SLURM_JOB_ID": "5"}, False, "already requeued 3"),
+        (REQUEUE, False, 0, {"SLURM_JOB_ID": "5"}, False, "checkpoint.requeue is false"),
+        (STOP, True, 0, {"SLURM_JOB_ID": "5"}, False, "SIGTERM"),
+        (REQUEUE, True, 0, {}, False, "not running under Slurm"),
+        (REQUEUE, True, 0, {"SLURM_JOB_ID": "912345678", "CYCLONE_LAUNCHER": "local"}, False, "not running under"),
+    ],
+)
+def test_should_requeue(agreed: int, enabled: bool, restarts: int, environ: dict[str, str], expected: bool,
+                        why: str) -> None:
+    yes, reason = should_requeue(agreed, enabled, restarts, 3, environ)
+    assert yes is expected and why in reason
+
+
+def test_under_slurm() -> None:
+    assert under_slurm({"SLURM_JOB_ID": "1"}) and not under_slurm({})
+    assert not under_slurm({"SLURM_JOB_ID": "1", "CYCLONE_LAUNCHER": "local"})
+
+
+def test_steady_state_skips_warmup_and_takes_the_median() -> None:
+    assert mx.steady_state([10.0, 100.0, 90.0, 110.0]) == 100.0
+    assert mx.steady_state([50.0]) == 50.0
+    assert mx.steady_state([]) is None
+
+
+def test_writer_one_line_per_record_nan_as_null_and_repairs_a_cut_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind":"step","schema":1,"ste')  # a crash cut the last line
+    w = mx.MetricsWriter(path)
+    w.write(mx.step_record(1, 0, float("nan"), 0.1, 0.01, 320.0, mx.utc_now()))
+    w.write(mx.end_record("completed", 1, 320.0, 1.5, mx.utc_now()))
+    w.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    step, end = json.loads(lines[1]), json.loads(lines[2])
+    assert step["kind"] == "step" and step["schema"] == 1 and step["loss"] is None
+    assert end == {**end, "kind": "end", "status": "completed", "steps": 1}
+
+
+def test_end_status_is_checked() -> None:
+    with pytest.raises(ValueError):
+        mx.end_record("crashed", 1, None, 1.0, mx.utc_now())
+
+
+def test_rank_summary_and_error_record(tmp_path: Path) -> None:
+    p = mx.write_rank_summary(tmp_path, 3, "gpu01", "cuda:3", 250.0, 1 << 30)
+    assert json.loads(p.read_text()) == {"rank": 3, "host": "gpu01", "device": "cuda:3", "samples_per_s": 250.0,
+                                         "peak_memory_bytes": 1 << 30}
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as e:
+        q = mx.write_error_record(tmp_path, 3, "gpu01", e, "Traceback ...")
+    rec = json.loads(q.read_text())
+    assert q.name == "error-rank-00003.json" and (rec["type"], rec["message"], rec["rank"]) == ("RuntimeError", "boom", 3)
