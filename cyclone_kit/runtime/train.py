@@ -9,8 +9,9 @@ The schedule maths (:func:`scaled_lr`, :func:`lr_factor`, :func:`make_plan`,
   ranks) only every ``train.log_every`` steps; the stop flag travels on a separate gloo group.
 * **Exact resume**: a checkpoint after step s holds everything needed to continue with step
   s+1 seeing the same batches, LR and RNG as an uninterrupted run.
-* **Strategies** are a small dispatch table (:data:`STRATEGIES`); DDP is built in, others
-  raise a ValidationError until they are added.
+* **Strategies** are a small dispatch table (:data:`STRATEGIES`): DDP and FSDP2
+  (``fully_shard``; checkpoints hold full, unsharded state dicts); others raise a
+  ValidationError until they are added.
 """
 
 from __future__ import annotations
@@ -130,8 +131,58 @@ def _wrap_ddp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distri
     )
 
 
-#: strategy name -> wrap(model, device, train, distributed) -> model. Add FSDP/Horovod here.
-STRATEGIES: dict[str, Callable[[nn.Module, DeviceChoice, TrainConfig, bool], nn.Module]] = {"ddp": _wrap_ddp}
+def _wrap_fsdp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
+    """FSDP2 (``fully_shard``): every parameterised block, then the root, sharded over all ranks."""
+    if not distributed:
+        return model
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.kind, (dist.get_world_size(),))
+    for block in _shard_units(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+#: Blocks smaller than this stay in their parent's FSDP unit (one collective per tiny layer costs more than it saves).
+FSDP_MIN_UNIT_PARAMS = 100_000
+
+
+def _shard_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP shards separately: the outermost elements of Sequential/ModuleList
+    containers (ResNet blocks, MobileNet stages, ViT encoder layers) with at least
+    :data:`FSDP_MIN_UNIT_PARAMS` parameters; the rest is sharded with the root."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        container = isinstance(module, nn.Sequential | nn.ModuleList)
+        for child in module.children():
+            if container and sum(p.numel() for p in child.parameters()) >= FSDP_MIN_UNIT_PARAMS:
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return units
+
+
+#: strategy name -> wrap(model, device, train, distributed) -> model. Add Horovod/pipeline here.
+STRATEGIES: dict[str, Callable[[nn.Module, DeviceChoice, TrainConfig, bool], nn.Module]] = {
+    "ddp": _wrap_ddp,
+    "fsdp": _wrap_fsdp,
+}
+
+
+def _pipeline_engine() -> Callable[..., str]:
+    from cyclone_kit.runtime.pipeline import train_pipeline
+
+    return train_pipeline
+
+
+#: strategy name -> () -> a train() of its own (same signature and metrics contract); imported lazily.
+ENGINES: dict[str, Callable[[], Callable[..., str]]] = {"pipeline": _pipeline_engine}
 
 
 def wrap_model(strategy: str, model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
@@ -177,6 +228,8 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         ValidationError: bad data, model or strategy; anything else is a real failure (the
             caller writes the error record). A ``failed`` end record is written before raising.
     """
+    if spec.train.strategy in ENGINES:  # strategies with their own loop (runtime/pipeline.py, runtime/hvd.py)
+        return ENGINES[spec.train.strategy]()(spec, run_dir, env, environ, stop_flag)
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     tc, cc = spec.train, spec.checkpoint
@@ -219,10 +272,11 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     ckpt_dir = run_dir / "checkpoints"
     step = 0
     if cc.resume:
-        found = ckpt.load_latest(ckpt_dir)
+        found = _agreed_checkpoint(ckpt_dir, env, distributed)
         if found is not None:
             state, path = found
-            step = _restore(state, model, optimizer, scheduler, scaler, env)
+            step = _restore(state, model, optimizer, scheduler, scaler, env,
+                            sharded=tc.strategy == "fsdp" and distributed)
             if env.is_main:
                 print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
     if step >= plan.total_steps:
@@ -287,7 +341,8 @@ class _Loop:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.autocast = (lambda: torch.autocast(device_type=dev.type, dtype=dtype)) if dtype else contextlib.nullcontext
         self.criterion = nn.CrossEntropyLoss()
-        self.no_sync = getattr(wrapped, "no_sync", None)
+        self.sharded = spec.train.strategy == "fsdp" and distributed
+        self.no_sync = _fsdp_no_sync(wrapped) if self.sharded else getattr(wrapped, "no_sync", None)
         self.bar: Any = None
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
@@ -413,11 +468,22 @@ class _Loop:
         module.eval()
         counts = torch.zeros(2, dtype=torch.float64, device=self.dev)
         self.data.val.set_epoch(0)
+        last = None
         for x, y in self.data.val:
             with self.autocast():
                 pred = module(x).argmax(1)
             counts[0] += (pred == y).sum()
             counts[1] += y.numel()
+            last = x
+        if self.sharded:  # FSDP forwards are collectives: every rank runs as many as the busiest
+            import torch.distributed as dist
+
+            mine = len(self.data.val)
+            most = torch.tensor([mine], device=self.dev)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            for _ in range(int(most.item()) - mine):
+                with self.autocast():
+                    module(last if last is not None else self._any_batch())
         module.train()
         if self.distributed:
             import torch.distributed as dist
@@ -425,6 +491,11 @@ class _Loop:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         correct, total = counts.tolist()
         return correct / total if total else None
+
+    def _any_batch(self) -> torch.Tensor:
+        """An input batch for padding forwards on a rank whose validation shard is empty."""
+        info = self.data.info
+        return torch.zeros(1, info.channels, info.image_size, info.image_size, device=self.dev)
 
     def _checkpoint(self, step: int, epoch: int) -> None:
         rng = ckpt.capture_rng()
@@ -436,10 +507,27 @@ class _Loop:
             rngs = gathered
         else:
             rngs = [rng]
+        model_state: Any = None
+        optim_state: Any = None
+        optim_format = "torch"
+        if self.sharded:  # a collective: every rank takes part, rank 0 keeps the full tensors
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state = get_model_state_dict(self.model, options=full)
+            optim_state, optim_format = get_optimizer_state_dict(self.model, self.optimizer, options=full), "fqn"
+        elif self.env.is_main:
+            model_state, optim_state = unwrap(self.model).state_dict(), self.optimizer.state_dict()
         if self.env.is_main:
             state = {
-                "model": unwrap(self.model).state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "model": model_state,
+                "optimizer": optim_state,
+                "optimizer_format": optim_format,
+                "strategy": self.tc.strategy,
                 "scheduler": self.scheduler.state_dict(),
                 "step": step,
                 "epoch": epoch,
@@ -483,9 +571,27 @@ class _Loop:
 
 # --------------------------------------------------------------------------- helpers
 def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-             scaler: Any, env: DistEnv) -> int:
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+             scaler: Any, env: DistEnv, sharded: bool = False) -> int:
+    fqn = state.get("optimizer_format") == "fqn"
+    if sharded or fqn:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if not fqn:
+            raise ValidationError(
+                f"checkpoint of step {state['step']} was written by a {state.get('strategy', 'ddp')} run; "
+                "an FSDP run cannot resume its optimizer state",
+                hint="resume with the strategy that wrote it, or start a new run directory",
+            )
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=full)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and "scaler" in state:
         scaler.load_state_dict(state["scaler"])
@@ -496,6 +602,38 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
         warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
              "RNG streams are reseeded, the rest resumes exactly")
     return int(state["step"])
+
+
+def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A ``no_sync()`` equivalent for FSDP2: no gradient reduce-scatter inside the context."""
+
+    @contextlib.contextmanager
+    def no_sync() -> Any:
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    return no_sync
+
+
+def _agreed_checkpoint(folder: Path, env: DistEnv, distributed: bool) -> tuple[dict[str, Any], Path] | None:
+    """The checkpoint to resume from, chosen by rank 0 (newest loadable) and loaded by every rank,
+    so all ranks resume from the same step even if one saw a file differently."""
+    if not distributed:
+        return ckpt.load_latest(folder)
+    import torch.distributed as dist
+
+    found = ckpt.load_latest(folder) if env.is_main else None
+    choice: list[Any] = [str(found[1]) if found else None]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    if env.is_main:
+        return found
+    path = Path(choice[0])
+    return ckpt.load_checkpoint(path), path
 
 
 def _seed_everything(seed: int) -> None:

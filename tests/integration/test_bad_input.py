@@ -14,6 +14,16 @@ import pytest
 from tests.conftest import REPO
 
 SMOKE = str(REPO / "jobs" / "smoke.toml")
+SWEEP = f"[sweep]\nname = 's'\nmode = 'strong'\nbase = '{SMOKE}'\n"
+
+
+def slurm_env(nodelist: str) -> dict[str, str]:
+    """A 2-task Slurm step whose node list is ``nodelist`` (every variable the detection reads)."""
+    return {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+            "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_NODELIST": nodelist,
+            "SLURM_STEP_NODELIST": nodelist, "SLURM_NODELIST": nodelist}
+
+
 GOOD_PROFILE = '[partitions.gpu]\nnodes = 2\ncpus_per_node = 8\ngpus_per_node = 4\ndefault = true\n'
 
 CASES: list[tuple[str, dict[str, str], list[str], dict[str, str]]] = [
@@ -91,6 +101,48 @@ CASES: list[tuple[str, dict[str, str], list[str], dict[str, str]]] = [
     ("status-not-a-run-dir", {"x/readme": "x"}, ["status", "{d}/x"], {}),
     ("logs-unknown-job", {}, ["logs", "999999", "--runs-dir", "{d}"], {}),
     ("cancel-not-submitted", {"r/spec.json": "{}"}, ["cancel", "{d}/r"], {}),
+    # ---- sweep specs (`sweep --dry-run`: plan only, so a pass would not write anything either)
+    ("sweep-missing-file", {}, ["sweep", "{d}/nope.toml", "--dry-run"], {}),
+    ("sweep-malformed-toml", {"s.toml": "[sweep\nmode = 'strong'\n"}, ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-no-sweep-table", {"s.toml": "name = 'x'\n"}, ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-unknown-key", {"s.toml": SWEEP + "world_sizes = [1, 2]\ncolour = 'red'\n"},
+     ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-bad-mode", {"s.toml": SWEEP.replace("'strong'", "'sideways'") + "world_sizes = [1, 2]\n"},
+     ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-no-points", {"s.toml": SWEEP}, ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-world-sizes-not-list", {"s.toml": SWEEP + "world_sizes = 4\n"}, ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-zero-world-size", {"s.toml": SWEEP + "world_sizes = [0, 2]\n"}, ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-negative-world-size", {"s.toml": SWEEP + "world_sizes = [-1]\n"}, ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-repeated-size", {"s.toml": SWEEP + "world_sizes = [2, 2]\n"}, ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-point-zero-nodes", {"s.toml": SWEEP + "points = [{nodes = 0, ntasks_per_node = 2}]\n"},
+     ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-point-not-table", {"s.toml": SWEEP + "points = [3]\n"}, ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-point-unknown-key", {"s.toml": SWEEP + "points = [{nodes = 1, gpus = 2}]\n"},
+     ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-repeats-zero", {"s.toml": SWEEP + "world_sizes = [1, 2]\nrepeats = 0\n"},
+     ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-batch-indivisible", {"s.toml": SWEEP + "world_sizes = [1, 3]\nglobal_batch_size = 64\n"},
+     ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-missing-base", {"s.toml": SWEEP.replace(SMOKE, "gone.toml") + "world_sizes = [1, 2]\n"},
+     ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-no-base", {"s.toml": "[sweep]\nname = 's'\nmode = 'strong'\nworld_sizes = [1]\n"},
+     ["sweep", "{d}/s.toml", "--dry-run"], {}),
+    ("sweep-too-many-nodes", {"s.toml": SWEEP.replace("'strong'", "'weak'") + "points = [{nodes = 9, ntasks_per_node = 2}]\n"},
+     ["sweep", "{d}/s.toml", "--profile", "local", "--dry-run"], {}),
+    ("sweep-bad-backend", {}, ["sweep", SMOKE, "--backend", "pbs", "--dry-run"], {}),
+    # ---- `env` inside a broken Slurm step: malformed hostlists and counts in the environment
+    ("env-hostlist-unclosed", {}, ["env"], slurm_env("gpu[01-")),
+    ("env-hostlist-reversed-range", {}, ["env"], slurm_env("gpu[09-01]")),
+    ("env-hostlist-empty-brackets", {}, ["env"], slurm_env("gpu[]")),
+    ("env-hostlist-nested", {}, ["env"], slurm_env("gpu[[1-2]]")),
+    ("env-hostlist-huge-range", {}, ["env"], slurm_env("n[0-99999999]")),
+    ("env-tasks-per-node-garbage", {}, ["env"], {**slurm_env("c[1-2]"), "SLURM_TASKS_PER_NODE": "2(xx)"}),
+    ("env-procid-out-of-range", {}, ["env"], {**slurm_env("c[1-2]"), "SLURM_PROCID": "5"}),
+    # ---- `report` on metrics logs that hold no run at all
+    ("report-empty-metrics", {"runs/r/spec.json": "{}", "runs/r/metrics.jsonl": ""},
+     ["report", "{d}/runs/r", "-o", "{d}/out"], {}),
+    ("report-corrupt-only-metrics", {"runs/r/spec.json": "{}", "runs/r/metrics.jsonl": '{not json\n\x00\x01\n{"kind": "st'},
+     ["report", "{d}/runs/r", "-o", "{d}/out"], {}),
 ]
 
 

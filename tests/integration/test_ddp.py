@@ -104,16 +104,18 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------ DDP correctness + metrics
 @pytest.fixture(scope="module")
 def pair_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """jobs/smoke.toml with 2 ranks x batch 32, and 1 rank x batch 64 (run concurrently)."""
+    """jobs/smoke.toml with 1 rank x batch 64, 2 ranks x batch 32, and 2 ranks x batch 16 x 2
+    accumulated micro-batches: the same global batch of 64 (run concurrently)."""
     base = tmp_path_factory.mktemp("pair")
-    one, two = base / "one-rank", base / "two-ranks"
-    write_spec(one, batch_size=64, log_every=1)
-    write_spec(two, batch_size=32, log_every=1)
-    procs_two = start_ranks(two, 2)
-    procs_one = start_ranks(one, 1)
-    for rank, (code, out, err) in enumerate(finish(procs_two) + finish(procs_one)):
+    one, two, accum = base / "one-rank", base / "two-ranks", base / "two-ranks-accum"
+    # 640 samples: 10 optimizer steps per epoch in both runs, so 30 steps cross 2 epoch boundaries.
+    write_spec(one, batch_size=64, log_every=1, synthetic_samples=640)
+    write_spec(two, batch_size=32, log_every=1, synthetic_samples=640)
+    write_spec(accum, batch_size=16, grad_accum=2, log_every=1, synthetic_samples=640)
+    procs = start_ranks(two, 2) + start_ranks(one, 1) + start_ranks(accum, 2)
+    for rank, (code, out, err) in enumerate(finish(procs)):
         assert code == 0, f"process {rank} exited {code}\n{out}\n{err}"
-    return {"one": one, "two": two}
+    return {"one": one, "two": two, "accum": accum}
 
 
 def test_two_ranks_with_batch_b_match_one_rank_with_batch_2b(pair_runs: dict[str, Path]) -> None:
@@ -130,6 +132,18 @@ def test_two_ranks_with_batch_b_match_one_rank_with_batch_2b(pair_runs: dict[str
     assert p1.keys() == p2.keys()
     for name in p1:
         torch.testing.assert_close(p2[name], p1[name], rtol=1e-2, atol=2e-3, msg=f"parameter {name} differs")
+
+
+def test_gradient_accumulation_with_no_sync_matches_the_full_batch(pair_runs: dict[str, Path]) -> None:
+    l1 = [r["loss"] for r in records(pair_runs["one"], "step")]
+    la = [r["loss"] for r in records(pair_runs["accum"], "step")]
+    assert la[:5] == pytest.approx(l1[:5], rel=1e-4, abs=1e-5)
+    assert la == pytest.approx(l1, rel=2e-3, abs=2e-4)
+    start = records(pair_runs["accum"], "start")[0]
+    assert (start["per_device_batch_size"], start["global_batch_size"], start["grad_accum"]) == (16, 64, 2)
+    p1, pa = final_params(pair_runs["one"]), final_params(pair_runs["accum"])
+    for name in p1:
+        torch.testing.assert_close(pa[name], p1[name], rtol=1e-2, atol=2e-3, msg=f"parameter {name} differs")
 
 
 def test_two_rank_run_writes_the_metrics_contract(pair_runs: dict[str, Path]) -> None:
@@ -153,7 +167,8 @@ def test_two_rank_run_writes_the_metrics_contract(pair_runs: dict[str, Path]) ->
     assert end["status"] == "completed" and end["steps"] == 30 and end["samples_per_s"] > 0
     assert end["wall_time_s"] > 0
     epochs = records(run, "epoch")
-    assert epochs and epochs[-1]["val_accuracy"] is not None
+    assert [e["epoch"] for e in epochs] == [0, 1, 2] and all(e["val_accuracy"] is not None for e in epochs)
+    assert [r["epoch"] for r in steps] == [0] * 10 + [1] * 10 + [2] * 10
     for rank in (0, 1):
         summary = json.loads((run / "ranks" / f"rank-{rank:05d}.json").read_text())
         assert summary["rank"] == rank and summary["samples_per_s"] > 0 and summary["peak_memory_bytes"] > 0
@@ -165,21 +180,22 @@ def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(
         pair_runs: dict[str, Path], tmp_path: Path) -> None:
     reference = {r["step"]: r["loss"] for r in records(pair_runs["one"], "step")}
     run = tmp_path / "resumed"
-    write_spec(run, batch_size=64, log_every=1)
+    write_spec(run, batch_size=64, log_every=1, synthetic_samples=640)
     (proc,) = start_ranks(run, 1)
     deadline = time.monotonic() + TIMEOUT_S
     metrics = run / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and '"kind":"step"' in metrics.read_text():
+        # Signal in the second epoch, so the resume starts mid-epoch after an epoch boundary.
+        if metrics.is_file() and '"step":12,' in metrics.read_text():
             proc.send_signal(signal.SIGUSR2)  # the requeue signal: checkpoint and stop (no Slurm here)
             break
-        time.sleep(0.01)
+        time.sleep(0.005)
     (code, out, err), = finish([proc])
     assert code == 0, err
     first = records(run)
     assert first[-1]["kind"] == "end" and first[-1]["status"] == "preempted", "the run finished before the signal"
     stopped_at = first[-1]["steps"]
-    assert 1 <= stopped_at < 30
+    assert 12 <= stopped_at < 30
     assert "not running under Slurm" in out
     run_ranks(run, 1)  # the same command again resumes
     recs = records(run)
@@ -242,3 +258,37 @@ def test_fashion_mnist_short_run_reaches_a_sane_accuracy(tmp_path: Path) -> None
     print(f"Fashion-MNIST tiny_cnn 300 steps x 64: val accuracy {accuracy:.3f} in {took:.1f} s (process)")
     assert accuracy > 0.70
     assert records(run, "end")[-1]["status"] == "completed"
+
+
+# ------------------------------------------------------------------------ FSDP2, signalled on one rank only
+def test_fsdp_run_signalled_on_one_rank_resumes_on_the_one_rank_trajectory(
+        pair_runs: dict[str, Path], tmp_path: Path) -> None:
+    """2 ranks with FSDP2 (batch 32 each) follow 1 rank with batch 64; a requeue signal sent to
+    rank 1 alone stops both ranks at the same step (the flag all-reduce), the full-state
+    checkpoint resumes exactly."""
+    reference = [r["loss"] for r in records(pair_runs["one"], "step")]
+    run = tmp_path / "fsdp"
+    write_spec(run, strategy="fsdp", batch_size=32, log_every=1, synthetic_samples=640)
+    procs = start_ranks(run, 2)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if metrics.is_file() and '"step":12,' in metrics.read_text():
+            procs[1].send_signal(signal.SIGUSR2)
+            break
+        time.sleep(0.005)
+    for rank, (code, out, err) in enumerate(finish(procs)):
+        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
+    first = records(run)
+    assert first[-1]["kind"] == "end" and first[-1]["status"] == "preempted", "the run finished before the signal"
+    assert first[0]["strategy"] == "fsdp" and first[0]["world_size"] == 2
+    run_ranks(run, 2)
+    recs = records(run)
+    assert [e["status"] for e in recs if e["kind"] == "end"] == ["preempted", "completed"]
+    steps = {r["step"]: r["loss"] for r in recs if r["kind"] == "step"}
+    assert sorted(steps) == list(range(1, 31))
+    assert [steps[s] for s in range(1, 31)] == pytest.approx(reference, rel=2e-3, abs=2e-4)
+    p_ref, p_fsdp = final_params(pair_runs["one"]), final_params(run)
+    assert p_ref.keys() == p_fsdp.keys()
+    for name in p_ref:
+        torch.testing.assert_close(p_fsdp[name], p_ref[name], rtol=1e-2, atol=2e-3, msg=f"parameter {name} differs")

@@ -135,3 +135,27 @@ def test_plan_too_little_data_is_a_validation_error() -> None:
 )
 def test_resolve_precision(requested: str, kind: str, bf16: bool, expected: str) -> None:
     assert resolve_precision(requested, kind, bf16) == expected
+
+
+@pytest.mark.parametrize("strategy", ["horovod", "pipeline"])
+def test_unavailable_strategies_are_a_validation_error(strategy: str) -> None:
+    from cyclone_kit.config import TrainConfig
+    from cyclone_kit.errors import ValidationError
+    from cyclone_kit.runtime.dist import DeviceChoice
+    from cyclone_kit.runtime.models import TinyCNN
+    from cyclone_kit.runtime.train import STRATEGIES, wrap_model
+
+    with pytest.raises(ValidationError, match="not available yet") as err:
+        wrap_model(strategy, TinyCNN(), DeviceChoice("cpu", None, "cpu", "gloo"), TrainConfig(), distributed=True)
+    assert set(STRATEGIES) <= {"ddp", "fsdp", "horovod", "pipeline"} and "ddp" in err.value.hint
+
+
+def test_single_process_needs_no_wrapper() -> None:
+    from cyclone_kit.config import TrainConfig
+    from cyclone_kit.runtime.dist import DeviceChoice
+    from cyclone_kit.runtime.models import TinyCNN
+    from cyclone_kit.runtime.train import wrap_model
+
+    model = TinyCNN()
+    for strategy in ("ddp", "fsdp"):
+        assert wrap_model(strategy, model, DeviceChoice("cpu", None, "cpu", "gloo"), TrainConfig(), False) is model

@@ -1,0 +1,231 @@
+"""Helpers shared by the CPU benchmarks: machine facts, the bench spec, running both sides, reading results.
+
+Both sides of every comparison are started as fresh processes and measured the same way:
+
+* **throughput**: windows of ``log_every`` steps on rank 0, ``global batch x steps / window wall
+  time``, median of the windows after the first (the runtime's end-record ``samples_per_s``;
+  :mod:`bench.plain_ddp` computes the very same figure);
+* **scheduling**: every rank runs in its own session, as the cyclone_kit launcher and torchrun
+  start them (``start_new_session=True``). On kernels with autogroup scheduling (Linux's default
+  for desktops and this machine: /proc/sys/kernel/sched_autogroup_enabled = 1) CPU time is shared
+  fairly between sessions, so under contention two ranks sharing one session get about half the
+  CPU of two ranks in two sessions: a reference started without this ran 2-3x slower here.
+* **process start to first step**: from ``time.time()`` just before the launch command is started
+  to the wall-clock time the first training step starts (the runtime: first step record's ``time``
+  minus its window's ``step_time_s x steps``, i.e. the window start taken just before the loop;
+  the plain script: ``loop_start_unix``).
+
+``CK_BENCH_QUICK=1`` shrinks every benchmark to a smoke run (1 pair, few steps) for the tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PLAIN = REPO / "bench" / "plain_ddp.py"
+
+
+def quick() -> bool:
+    """True in the tests' smoke mode (``CK_BENCH_QUICK=1``)."""
+    return os.environ.get("CK_BENCH_QUICK", "") not in ("", "0")
+
+
+def cpu_model() -> str:
+    """The CPU model from /proc/cpuinfo (else the platform's string)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load() -> str:
+    """The 1/5/15-minute load averages as text."""
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def machine_line() -> str:
+    """One line: CPUs, model, load average."""
+    return f"{os.cpu_count()} CPUs ({cpu_model()}), load average {load()}"
+
+
+def bench_env(threads: int = 1) -> dict[str, str]:
+    """The environment of every benchmark child: fixed threads, repo on the path, no GPUs."""
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": "",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))})
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both sides train: model, per-rank batch, steps, log window, image size."""
+
+    model: str = "tiny_cnn"
+    batch: int = 256
+    steps: int = 40
+    log_every: int = 5
+    image_size: int = 32
+
+    def spec_toml(self, name: str) -> str:
+        """A cyclone_kit job spec for this workload (no validation pass, no periodic checkpoints)."""
+        return f"""name = "{name}"
+
+[train]
+model = "{self.model}"
+dataset = "synthetic"
+image_size = {self.image_size}
+num_classes = 10
+synthetic_samples = 50000
+steps = {self.steps}
+batch_size = {self.batch}
+lr = 0.1
+lr_scaling = "none"
+warmup_steps = 0
+precision = "fp32"
+log_every = {self.log_every}
+val_every_epochs = 0
+seed = 0
+
+[resources]
+profile = "local"
+
+[checkpoint]
+every_steps = 0
+resume = false
+requeue = false
+"""
+
+    def plain_args(self) -> list[str]:
+        """The same workload as arguments of bench/plain_ddp.py."""
+        return ["--model", self.model, "--batch", str(self.batch), "--steps", str(self.steps),
+                "--log-every", str(self.log_every), "--image-size", str(self.image_size)]
+
+
+@dataclass
+class RunResult:
+    """One measured run."""
+
+    side: str
+    nproc: int
+    samples_per_s: float
+    start_to_first_step_s: float
+    wall_s: float
+    load: str = field(default_factory=load)
+    windows: list[float] = field(default_factory=list)
+
+    @property
+    def best_window(self) -> float:
+        """The fastest window after the first: the least disturbed by other load (a cross-check)."""
+        steady = self.windows[1:] if len(self.windows) > 1 else self.windows
+        return max(steady) if steady else self.samples_per_s
+
+
+def _utc_to_unix(text: str) -> float:
+    return datetime.datetime.fromisoformat(text).timestamp()
+
+
+def read_runtime_metrics(run_dir: Path) -> tuple[float, float, list[float]]:
+    """(steady-state samples/s, loop start unix time, window rates) from RUN_DIR/metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+               if line.strip()]
+    steps = [r for r in records if r["kind"] == "step"]
+    end = [r for r in records if r["kind"] == "end"][-1]
+    if end["status"] != "completed" or not steps:
+        raise RuntimeError(f"run in {run_dir} did not complete: {end}")
+    first = steps[0]
+    loop_start = _utc_to_unix(first["time"]) - first["step_time_s"] * first["step"]
+    return float(end["samples_per_s"]), loop_start, [float(r["samples_per_s"]) for r in steps]
+
+
+def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def run_ours(work: Workload, nproc: int, tmp: Path, tag: str, timeout: float = 600) -> RunResult:
+    """The cyclone_kit local launcher: ``python -m cyclone_kit run SPEC --nproc N --threads 1``."""
+    spec = tmp / f"{tag}.toml"
+    spec.write_text(work.spec_toml(tag), encoding="utf-8")
+    runs = tmp / "runs"
+    argv = [sys.executable, "-m", "cyclone_kit", "run", str(spec), "--nproc", str(nproc), "--threads", "1",
+            "--runs-dir", str(runs), "--quiet", "--cpu"]
+    t0 = time.time()
+    proc = _run(argv, bench_env(), timeout, REPO)
+    wall = time.time() - t0
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("run dir: ")), None)
+    if line is None:
+        raise RuntimeError(f"no 'run dir:' line in the launcher's output:\n{proc.stdout[-2000:]}")
+    run_dir = Path(line.split(": ", 1)[1].strip())
+    rate, loop_start, windows = read_runtime_metrics(run_dir)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return RunResult("cyclone_kit", nproc, rate, loop_start - t0, wall, windows=windows)
+
+
+def run_plain(work: Workload, nproc: int, tmp: Path, tag: str, *, torchrun: bool, timeout: float = 600) -> RunResult:
+    """bench/plain_ddp.py with ``nproc`` ranks: under ``torchrun``, or as processes started here."""
+    out = tmp / f"{tag}.json"
+    env = bench_env()
+    script = [str(PLAIN), *work.plain_args(), "--out", str(out)]
+    t0 = time.time()
+    if torchrun:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script]
+        _run(argv, env, timeout, REPO)
+    else:
+        port = _free_port()
+        procs = []
+        for rank in range(nproc):
+            renv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(subprocess.Popen([sys.executable, *script], env=renv, cwd=REPO, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"plain_ddp.py exited {p.returncode}:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    wall = time.time() - t0
+    result = json.loads(out.read_text(encoding="utf-8"))
+    side = "torchrun + plain script" if torchrun else "plain DDP loop"
+    return RunResult(side, nproc, float(result["samples_per_s"]), result["loop_start_unix"] - t0, wall,
+                     windows=result["window_rates"])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def median(values: list[float]) -> float:
+    """statistics.median, named here for the benchmarks' readability."""
+    return float(statistics.median(values))
+
+
+def verdict(met: bool) -> str:
+    """``MET`` / ``MISSED``."""
+    return "MET" if met else "MISSED"
+
+
+def emit_json(figures: dict[str, Any]) -> None:
+    """Print the machine-readable result line run_all.py collects (``BENCH_JSON {...}``)."""
+    print("BENCH_JSON " + json.dumps(figures), flush=True)

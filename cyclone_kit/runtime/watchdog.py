@@ -1,0 +1,218 @@
+"""A per-rank watchdog: run the rank as a child and record how it died when it cannot say so itself.
+
+A rank that raises writes its own error record (``ranks/error-rank-N.json``), but a rank killed
+by a signal (SIGKILL from the OOM killer or a user, SIGSEGV in a native library) writes nothing:
+its peers fail a moment later with "connection closed by peer", and their records would be
+taken for the root cause. Under Slurm, ``srun --kill-on-bad-exit`` stops the other tasks, but
+nothing tells the user *which* rank died first, on which host, and how.
+
+The watchdog is the small parent process of one rank (torchrun's agent does the same for its
+workers). It imports neither torch nor the training code, so it costs a few MB and no start-up
+time, and it:
+
+* starts the rank (``python -m cyclone_kit.runtime ...``) as its child, in the same process
+  group, so Slurm's signals (``--signal``, scancel's SIGTERM, the final SIGKILL) reach both;
+* forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 that reach the watchdog alone (a
+  second copy of a signal is harmless: the rank's handler only records it);
+* when the child dies by a signal the watchdog did not pass on, writes the rank's error record
+  (rank, host, pid, signal, exit code, time of death) and ``failure.json`` (first writer wins,
+  ``O_EXCL``), the one-line root cause that ``status`` and ``logs`` print;
+* ends the same way as its child (re-raising the child's signal, or its exit code), so srun
+  sees the failure and stops the other tasks.
+
+Entry points: :func:`supervise` (used by ``python -m cyclone_kit.runtime`` under Slurm, see
+:func:`wanted`) and ``python -m cyclone_kit.runtime.watchdog -- CMD ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: Set in the child's environment so that it does not start a watchdog of its own.
+CHILD_VAR = "CYCLONE_WATCHDOG_CHILD"
+#: ``CYCLONE_WATCHDOG=0`` turns the watchdog off (``1`` forces it on outside Slurm).
+SWITCH_VAR = "CYCLONE_WATCHDOG"
+FAILURE_FILE = "failure.json"
+#: Signals passed on to the rank.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SUBMITIT_LOCAL_GLOBALID")
+
+
+def wanted(environ: Mapping[str, str]) -> bool:
+    """Whether ``python -m cyclone_kit.runtime`` should run itself under a watchdog (pure).
+
+    Yes inside a real Slurm job (not the local launcher, which watches its ranks itself), unless
+    this process already is the watchdog's child or ``CYCLONE_WATCHDOG=0``.
+    """
+    if environ.get(CHILD_VAR) == "1":
+        return False
+    switch = environ.get(SWITCH_VAR, "").strip()
+    if switch in ("0", "false", "no", "off"):
+        return False
+    if switch in ("1", "true", "yes", "on"):
+        return True
+    if environ.get("CYCLONE_LAUNCHER") == "local":
+        return False
+    return bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_ARRAY_JOB_ID"))
+
+
+def rank_of(environ: Mapping[str, str]) -> int:
+    """This process's global rank from the launcher's variables (0 when none says)."""
+    for key in _RANK_VARS:
+        raw = environ.get(key, "")
+        if raw.isdigit():
+            return int(raw)
+    return 0
+
+
+def host_of(environ: Mapping[str, str]) -> str:
+    """The node name as Slurm knows it, else the host name."""
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def signal_label(signum: int) -> str:
+    """``9`` -> ``"SIGKILL"`` (``"signal 99"`` for numbers Python has no name for)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def death_record(rank: int, host: str, pid: int, returncode: int, when: str, job_id: str | None = None) -> dict[str, Any]:
+    """The error record of a rank that died without writing one (pure).
+
+    ``returncode`` is :attr:`subprocess.Popen.returncode`: negative for a signal.
+    """
+    record: dict[str, Any] = {"rank": rank, "host": host, "pid": pid, "time": when, "source": "watchdog"}
+    if returncode < 0:
+        name = signal_label(-returncode)
+        record.update(signal=name, exit_code=128 - returncode, type="KilledBySignal",
+                      message=f"the rank process was killed by {name} and could not write an error record")
+    else:
+        record.update(signal=None, exit_code=returncode, type="ExitedWithoutRecord",
+                      message=f"the rank process exited with code {returncode} without writing an error record")
+    if job_id:
+        record["slurm_job_id"] = job_id
+    return record
+
+
+def root_cause_line(record: Mapping[str, Any]) -> str:
+    """``rank 1 on host c1 (pid 123) killed by SIGKILL`` (pure)."""
+    how = f"killed by {record['signal']}" if record.get("signal") else f"exited with code {record.get('exit_code')}"
+    return f"rank {record['rank']} on host {record['host']} (pid {record['pid']}) {how}"
+
+
+def write_records(run_dir: Path, record: Mapping[str, Any]) -> None:
+    """Write ``ranks/error-rank-N.json`` (unless the rank wrote one) and ``failure.json`` (unless one exists)."""
+    run_dir = Path(run_dir)
+    ranks = run_dir / "ranks"
+    ranks.mkdir(parents=True, exist_ok=True)
+    own = ranks / f"error-rank-{int(record['rank']):05d}.json"
+    if not own.exists():
+        _write_new(own, json.dumps(dict(record), indent=1) + "\n")
+    failure = {"kind": "failure", "root_cause": root_cause_line(record), "first": dict(record),
+               "written_by": "watchdog"}
+    _write_new(run_dir / FAILURE_FILE, json.dumps(failure, indent=2) + "\n")
+
+
+def _write_new(path: Path, text: str) -> bool:
+    """Create ``path`` with ``text`` unless it exists (the first writer wins); True when written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)  # atomic, and fails when the file already exists
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def supervise(argv: Sequence[str], run_dir: Path | str | None, environ: Mapping[str, str] | None = None) -> int:
+    """Run ``argv`` as the supervised rank and return its exit status (or die by its signal).
+
+    Args:
+        argv: the rank's command line.
+        run_dir: where the records go (None: ``$CYCLONE_RUN_DIR``; with neither, nothing is written).
+        environ: the rank's environment (default ``os.environ``); ``CYCLONE_WATCHDOG_CHILD=1`` is added.
+
+    Returns:
+        The child's exit code. A child killed by a signal makes the watchdog kill itself with
+        the same signal (so srun and the job's exit code say what happened); if that returns,
+        ``128 + signal`` is returned.
+    """
+    base = dict(os.environ if environ is None else environ)
+    target = run_dir or base.get("CYCLONE_RUN_DIR")
+    forwarded: list[int] = []
+    child = subprocess.Popen(list(argv), env={**base, CHILD_VAR: "1"})
+
+    def forward(signum: int, frame: object) -> None:
+        forwarded.append(signum)
+        with contextlib.suppress(ProcessLookupError, OSError):
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries wait() itself
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    when = _utc_now()
+    if code < 0 and target and -code not in forwarded:
+        record = death_record(rank_of(base), host_of(base), child.pid, code, when, base.get("SLURM_JOB_ID"))
+        try:
+            write_records(Path(target), record)
+            sys.stderr.write(f"cyclone_kit: watchdog: {root_cause_line(record)}\n")
+        except OSError as e:
+            sys.stderr.write(f"cyclone_kit: watchdog: could not write the error record: {e}\n")
+        sys.stderr.flush()
+    if code < 0:
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP cannot be caught: no reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1.0)  # a signal whose default is to ignore it falls through
+        return 128 - code
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cyclone_kit.runtime.watchdog [--run-dir DIR] -- CMD ...``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    run_dir = None
+    if args[:1] == ["--run-dir"] and len(args) >= 2:
+        run_dir, args = args[1], args[2:]
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        sys.stderr.write("error: no command to supervise HINT: python -m cyclone_kit.runtime.watchdog "
+                         "[--run-dir DIR] -- python -m cyclone_kit.runtime --run-dir DIR\n")
+        return 2
+    return supervise(args, run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

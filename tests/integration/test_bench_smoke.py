@@ -1,0 +1,70 @@
+"""Smoke tests of the benchmarks: each runs in its quick mode and prints its figures and ratios.
+
+Timing targets are NOT asserted here (the tests are not timed runs and the machine is shared):
+only that every benchmark runs end to end through the real launcher, runtime and torchrun, and
+that ``run_all.py`` reports every figure with a verdict and rewrites the results file, keeping
+its GPU section. ``CK_BENCH_QUICK=1`` makes every benchmark a smoke-sized run (1 pair, 4 steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+QUICK_ENV = {**os.environ, "CK_BENCH_QUICK": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.timeout(240)
+def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_section(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# old\n\n<!-- gpu-check -->\nGPU FIGURES RECORDED BY HAND\n<!-- /gpu-check -->\n\nold table\n")
+    proc = subprocess.run([sys.executable, "bench/run_all.py", "--results", str(results)], cwd=REPO, env=QUICK_ENV,
+                          capture_output=True, text=True, timeout=230)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
+    summary = out.split("=== summary", 1)[1]
+    # every benchmark's figures, each with a verdict
+    for pattern in (r"cli_latency\s+`--help` median", r"cli_latency\s+`submit --nodes 4 --dry-run`",
+                    r"cli_latency\s+`profiles`", r"analysis\s+report on the synthetic study: wall time",
+                    r"analysis\s+report: peak memory", r"overhead\s+ratio runtime / plain .*: \d+\.\d{3}",
+                    r"scaling_cpu\s+2-rank efficiency, cyclone_kit .*: \d\.\d{3}",
+                    r"scaling_cpu\s+2-rank efficiency, torchrun",
+                    r"scaling_cpu\s+process start to first step, 2 ranks, cyclone_kit: \d+\.\d\d s"):
+        assert re.search(r"^\s+(MET|MISSED|INFO)\s+" + pattern, summary, re.M), (pattern, summary)
+    assert "FAILED" not in summary
+    # the benchmarks' own lines: both throughputs and the ratio
+    assert re.search(r"cyclone_kit runtime: [\d.]+ samples/s", out)
+    assert re.search(r"plain DDP loop:\s+[\d.]+ samples/s", out)
+    assert re.search(r"ratio runtime/plain: \d\.\d{3}", out)
+    assert re.search(r"efficiency 2 ranks vs 1 \(torchrun\):\s+\d\.\d{3}", out)
+    assert re.search(r"start -> first step, 2 ranks: cyclone_kit [\d.]+ s, torchrun \+ plain script [\d.]+ s", out)
+    # the results file: rewritten with date, machine and table; the GPU section kept as it was
+    text = results.read_text()
+    assert "old table" not in text and "QUICK MODE" in text
+    assert re.search(r"- date: \d{4}-\d\d-\d\d \d\d:\d\d", text) and "- machine: " in text
+    assert "load average" in text and "| overhead | ratio runtime / plain" in text
+    assert "GPU FIGURES RECORDED BY HAND" in text
+
+
+@pytest.mark.timeout(180)
+def test_gpu_check_runs_its_stages_in_cpu_mode(tmp_path):
+    out_dir = tmp_path / "out"
+    env = {**QUICK_ENV, "CK_GPU_CHECK_CPU": "1", "OUT": str(out_dir)}
+    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=170)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert re.search(r"eager:\s+runtime [\d.]+\s+bare [\d.]+\s+ratio runtime/bare \d+\.\d{3}", proc.stdout), proc.stdout
+    assert re.search(r"process group \+ DDP \(bare loop\): [\d.]+\s+vs bare eager ratio \d+\.\d{3}", proc.stdout)
+    figures = json.loads((out_dir / "gpu_check.json").read_text())
+    rates = figures["images_per_s"]
+    assert figures["cpu_mode"] is True
+    assert all(rates[k] and rates[k] > 0 for k in ("bare_eager", "runtime_eager", "bare_ddp_nccl_eager"))
+    assert (out_dir / "gpu_check.txt").read_text().count("images/s") >= 3
+    assert (out_dir / "metrics-runtime_eager.jsonl").is_file()

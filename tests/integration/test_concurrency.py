@@ -1,0 +1,132 @@
+"""Concurrency (issue 7.6): run directories never collide, and two jobs on one node never share a port.
+
+* Run directories: the same job name and the same second, in one process and in 8 racing
+  processes, always give distinct, complete directories (``-2``, ``-3`` ... suffixes).
+* Two real Slurm jobs on the same node (c1 of the local cluster) at the same time, submitted by
+  two `submit` processes started together: both COMPLETE, each with its own MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from cyclone_kit.backends.slurm import SlurmBackend
+from cyclone_kit.config import load_profile, read_toml, spec_from_dict
+from cyclone_kit.rundir import create_run_dir, run_dir_name
+from cyclone_kit.slurm.states import JobState
+from cyclone_kit.submission import prepare_run_dir
+from cyclone_kit.validate import resolve
+from tests.conftest import REPO
+from tests.slurm.conftest import slurm_cluster  # noqa: F401  (the fixture, used below)
+from tests.slurm.test_faults import cancel_quietly, job_processes, parse_submit_output, read_records, wait_for
+
+SMOKE = REPO / "jobs" / "smoke.toml"
+WHEN = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC: every directory below is made "in the same second"
+RACERS = 8
+
+
+# --------------------------------------------------------------------------- run directories
+def test_same_name_same_second_in_one_process_gives_distinct_directories(tmp_path: Path) -> None:
+    made = [create_run_dir(tmp_path, "smoke", {"spec.json": f'{{"n": {i}}}'}, when=WHEN) for i in range(3)]
+    base = run_dir_name("smoke", WHEN)
+    assert [p.name for p in made] == [base, f"{base}-2", f"{base}-3"]
+    assert [json.loads((p / "spec.json").read_text())["n"] for p in made] == [0, 1, 2]
+    assert all((p / "logs").is_dir() for p in made)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directory left"
+
+
+def test_prepare_run_dir_twice_at_once_gives_two_complete_runs(tmp_path: Path) -> None:
+    """The submit path itself, twice back to back (same second on any sane machine): two run
+    directories, each with its own spec.json and a job.sbatch that points at itself."""
+    spec = spec_from_dict(read_toml(SMOKE))
+    job = resolve(spec, load_profile("local"))
+    first, second = prepare_run_dir(job, tmp_path), prepare_run_dir(job, tmp_path)
+    assert first != second and first.parent == second.parent == tmp_path
+    for run_dir in (first, second):
+        script = (run_dir / "job.sbatch").read_text()
+        assert re.findall(r"^export CYCLONE_RUN_DIR=(.*)$", script, re.M) == [str(run_dir)], script
+        assert re.findall(r"^#SBATCH --output=(.*)/logs/", script, re.M) == [str(run_dir)], script
+        assert json.loads((run_dir / "spec.json").read_text())["name"] == "smoke"
+
+
+def _race(args: tuple[str, int, float]) -> str:
+    runs_dir, index, start_at = args
+    while time.time() < start_at:  # line up: every racer creates its directory at the same moment
+        pass
+    return str(create_run_dir(Path(runs_dir), "smoke", {"spec.json": f'{{"racer": {index}}}'}, when=WHEN))
+
+
+def test_racing_processes_in_the_same_second_get_distinct_directories(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(RACERS) as pool:
+        start_at = time.time() + 3.0  # after every spawned interpreter is up
+        made = pool.map(_race, [(str(tmp_path), i, start_at) for i in range(RACERS)])
+    base = run_dir_name("smoke", WHEN)
+    assert sorted(Path(p).name for p in made) == sorted([base] + [f"{base}-{k}" for k in range(2, RACERS + 1)])
+    # every racer got its own directory holding its own file
+    assert sorted(json.loads((Path(p) / "spec.json").read_text())["racer"] for p in made) == list(range(RACERS))
+    assert all(json.loads((Path(p) / "spec.json").read_text())["racer"] == i for i, p in enumerate(made))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directory left"
+
+
+# --------------------------------------------------------------------------- two jobs, one node
+def _master(run_dir: Path) -> tuple[str, int]:
+    text = "".join(p.read_text() for p in (run_dir / "logs").glob("*.out"))
+    found = re.search(r" master (\S+):(\d+) restart", text)
+    assert found, text[-2000:]
+    return found.group(1), int(found.group(2))
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str, str],  # noqa: F811
+                                                          tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "cyclone_kit", "submit", str(SMOKE), "--profile", "local", "--partition", "cpu",
+            "--nodes", "1", "--ntasks-per-node", "2", "--runs-dir", str(tmp_path),
+            "--set", "train.steps=150", "--set", "resources.extra_sbatch=['--nodelist=c1']"]
+    procs = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    (id_a, dir_a), (id_b, dir_b) = (parse_submit_output(out) for out, _ in outputs)
+    print(f"two submits at once: jobs {id_a}, {id_b}; run dirs {dir_a.name}, {dir_b.name}")
+    assert dir_a != dir_b and id_a != id_b
+
+    backend = SlurmBackend()
+    overlap = False
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            a, b = backend.status(id_a), backend.status(id_b)
+            overlap |= a.state is b.state is JobState.RUNNING
+            if a.state.is_terminal and b.state.is_terminal:
+                break
+            time.sleep(0.25)
+        wait_for(lambda: not job_processes(id_a) and not job_processes(id_b), 30, "both jobs' processes to end")
+    finally:
+        cancel_quietly(backend, id_a)
+        cancel_quietly(backend, id_b)
+    assert (a.state, b.state) == (JobState.COMPLETED, JobState.COMPLETED), (a, b)
+    assert a.nodelist == b.nodelist == "c1", (a.nodelist, b.nodelist)
+    (host_a, port_a), (host_b, port_b) = _master(dir_a), _master(dir_b)
+    print(f"job {id_a}: master {host_a}:{port_a}; job {id_b}: master {host_b}:{port_b}")
+    assert host_a == host_b == "c1" and port_a != port_b
+    # They trained at the same time: each one's first step came before the other one's end.
+    spans = []
+    for run_dir in (dir_a, dir_b):
+        recs = read_records(run_dir)
+        assert [r["status"] for r in recs if r["kind"] == "end"] == ["completed"]
+        steps = [datetime.fromisoformat(r["time"]) for r in recs if r["kind"] == "step"]
+        end = datetime.fromisoformat(next(r["time"] for r in recs if r["kind"] == "end"))
+        spans.append((steps[0], end))
+    assert overlap or (spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]), spans
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], f"the two jobs did not train at the same time: {spans}"

@@ -1,0 +1,304 @@
+"""Signals and kills against real local runs (`python -m cyclone_kit run`, 2 ranks, CPU, 1 thread each).
+
+* SIGTERM to the launcher: every rank checkpoints and exits 0, the run ends "preempted", and
+  the same run directory resumes to completion with every optimizer step exactly once.
+* The configured requeue signal (checkpoint.signal, here USR1) to the launcher: passed on to
+  the ranks like srun does, with the same outcome.
+* A storm of signals (USR2 and SIGTERM every 2 ms) at both ranks from the stop request until
+  the stop checkpoint is in place: the checkpoint loads and the run resumes from it.
+* SIGKILL of the writing rank while a checkpoint is being written (ResNet-18, ~90 MB per
+  checkpoint): the previous checkpoint still loads and the run resumes from it.
+* The per-rank watchdog (cyclone_kit.runtime.watchdog) records a rank killed by a signal.
+
+tests/unit/test_checkpoint.py already kills a bare save loop; these kill real training runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cyclone_kit.backends.local import LAUNCH_FILE, launch
+from cyclone_kit.runinfo import root_cause
+from cyclone_kit.runtime import checkpoint as ck
+from cyclone_kit.runtime import watchdog
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+SMOKE = str(REPO / "jobs" / "smoke.toml")
+TIMEOUT_S = 240
+
+
+# --------------------------------------------------------------------------- helpers
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def records(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the line being written
+        if kind is None or rec["kind"] == kind:
+            out.append(rec)
+    return out
+
+
+def last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in records(run_dir, "step")), default=0)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class LocalRun:
+    """``python -m cyclone_kit run jobs/smoke.toml --nproc 2`` in the background, killed on exit."""
+
+    def __init__(self, runs_dir: Path, *sets: str) -> None:
+        argv = [sys.executable, "-m", "cyclone_kit", "run", SMOKE, "--nproc", "2", "--threads", "1", "--quiet",
+                "--runs-dir", str(runs_dir)]
+        for item in sets:
+            argv += ["--set", item]
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()
+        assert first.startswith("run dir: "), first + self.proc.stderr.read()  # type: ignore[union-attr]
+        self.run_dir = Path(first.split(": ", 1)[1].strip())
+        self.rank_pids: list[int] = []
+
+    def wait_ranks(self) -> list[int]:
+        launch_file = self.run_dir / LAUNCH_FILE
+        wait_for(launch_file.is_file, 60, "launch.json")
+        self.rank_pids = [r["pid"] for r in json.loads(launch_file.read_text())["ranks"]]
+        return self.rank_pids
+
+    def finish(self, timeout: float = TIMEOUT_S) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        finally:
+            self.cleanup()
+        return self.proc.returncode, out, err
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in self.rank_pids:  # never leave a rank behind, whatever the launcher did
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+        wait_for(lambda: not any(alive(p) for p in self.rank_pids), 30, "the ranks to be gone")
+
+
+def resume(run_dir: Path) -> None:
+    """Run the same run directory again (2 ranks, resume=true in smoke.toml) and require success."""
+    result = launch(run_dir, 2, threads=1, timeout_s=TIMEOUT_S, extra_env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.ok, (result.first_failure, (run_dir / "logs" / "rank-0.err").read_text()[-3000:])
+
+
+def assert_every_step_once(run_dir: Path, total: int) -> None:
+    steps = [r["step"] for r in records(run_dir, "step")]
+    assert steps == list(range(1, total + 1)), f"steps logged: {steps[:5]}...{steps[-5:]} ({len(steps)})"
+
+
+# --------------------------------------------------------------------------- SIGTERM / the configured signal
+@pytest.mark.parametrize(("sig", "sets", "expected_rc"), [
+    pytest.param(signal.SIGTERM, (), 130, id="SIGTERM"),
+    pytest.param(signal.SIGUSR1, ("checkpoint.signal=USR1",), 0, id="configured-USR1"),
+])
+def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: Path, sig: signal.Signals,
+                                                                     sets: tuple[str, ...], expected_rc: int) -> None:
+    total = 150
+    run = LocalRun(tmp_path, f"train.steps={total}", "train.log_every=1", *sets)
+    try:
+        pids = run.wait_ranks()
+        wait_for(lambda: last_step(run.run_dir) >= 5, 120, "training to start")
+        run.proc.send_signal(sig)
+        sent = time.monotonic()
+        code, out, err = run.proc.wait(timeout=60), "", ""
+        orphans = [p for p in pids if alive(p)]  # ranks that outlived their launcher
+        wait_for(lambda: not any(alive(p) for p in pids), 60, "the ranks to stop")
+        stop_s = time.monotonic() - sent
+        code, out, err = run.finish(timeout=60)
+    finally:
+        run.cleanup()
+    print(f"{sig.name} to the launcher: every rank gone {stop_s:.2f} s later; launcher exit {code}")
+    assert code != -sig and not orphans, (
+        f"the launcher died of {sig.name} (exit {code}) and left rank(s) {orphans} running without it")
+    ends = records(run.run_dir, "end")
+    assert [e["status"] for e in ends] == ["preempted"], (ends, err)
+    stopped = ends[0]["steps"]
+    assert 0 < stopped < total
+    state, path = ck.load_latest(run.run_dir / "checkpoints")
+    assert state["step"] == stopped, f"the stop was checkpointed ({path})"
+    assert code == expected_rc, (code, out, err)
+    rank_logs = "".join((run.run_dir / "logs" / f"rank-{r}.err").read_text() for r in (0, 1))
+    assert "Traceback" not in rank_logs, rank_logs[-3000:]
+
+    resume(run.run_dir)
+    starts = records(run.run_dir, "start")
+    assert [s["start_step"] for s in starts] == [0, stopped]
+    assert [e["status"] for e in records(run.run_dir, "end")] == ["preempted", "completed"]
+    assert_every_step_once(run.run_dir, total)
+
+
+# --------------------------------------------------------------------------- signals during the checkpoint
+def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: Path) -> None:
+    """USR2 then SIGTERM/USR2 alternately every 2 ms at both ranks until the stop checkpoint is in
+    place. ResNet-18 makes the checkpoint big (~90 MB with momentum), so the write takes long enough
+    to be hit many times; checkpoint.every_steps=0 makes it the only checkpoint."""
+    total = 40
+    run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
+                   "train.log_every=1", "checkpoint.every_steps=0")
+    ckpts = run.run_dir / "checkpoints"
+    sent = during_write = 0
+    try:
+        pids = run.wait_ranks()
+        wait_for(lambda: last_step(run.run_dir) >= 3, 180, "training to start")
+        storm = [signal.SIGUSR2, signal.SIGTERM]
+        deadline = time.monotonic() + 120
+        while not ck.list_checkpoints(ckpts) and time.monotonic() < deadline:
+            writing = ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir())
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, storm[sent % 2])
+            sent += 1
+            during_write += writing
+            time.sleep(0.002)
+        code, _out, err = run.finish(timeout=120)
+    finally:
+        run.cleanup()
+    print(f"signal storm: {sent} rounds of signals to 2 ranks, {during_write} of them while the checkpoint "
+          f"was being written; launcher exit {code}")
+    assert during_write > 0, "no signal arrived while the checkpoint was being written"
+    ends = records(run.run_dir, "end")
+    assert [e["status"] for e in ends] == ["preempted"], (ends, err)
+    stopped = ends[0]["steps"]
+    state, _ = ck.load_latest(run.run_dir / "checkpoints")
+    assert state["step"] == stopped
+    for _, path in ck.list_checkpoints(ckpts):
+        ck.load_checkpoint(path)
+    assert not list(ckpts.glob(".ckpt-*.tmp")), "no temporary file left behind"
+
+    resume(run.run_dir)
+    assert [s["start_step"] for s in records(run.run_dir, "start")] == [0, stopped]
+    assert_every_step_once(run.run_dir, total)
+
+
+def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previous(tmp_path: Path) -> None:
+    """Rank 0 (the writer) is SIGKILLed while its temporary checkpoint file exists, after an earlier
+    checkpoint is complete; the run fails, and the same run directory resumes from the earlier one."""
+    total, every = 40, 5
+    run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
+                   "train.log_every=1", f"checkpoint.every_steps={every}", "checkpoint.keep=3")
+    ckpts = run.run_dir / "checkpoints"
+    try:
+        pids = run.wait_ranks()
+        wait_for(lambda: ck.list_checkpoints(ckpts), 180, "the first checkpoint")
+        tmp = wait_for(lambda: ckpts.is_dir() and [p for p in ckpts.iterdir() if p.name.endswith(".tmp")],
+                       120, "a checkpoint being written", poll=0.001)
+        os.kill(pids[0], signal.SIGKILL)
+        code, _out, err = run.finish(timeout=120)
+    finally:
+        run.cleanup()
+    complete = [s for s, _ in ck.list_checkpoints(ckpts)]
+    print(f"SIGKILL while writing {tmp[0].name}; complete checkpoints left: {complete}; launcher exit {code}")
+    assert code == 1, err
+    assert "SIGKILL" in (root_cause(run.run_dir) or ""), root_cause(run.run_dir)
+    state, _path = ck.load_latest(ckpts)
+    previous = state["step"]
+    assert previous == max(complete) and previous % every == 0
+    assert tmp[0].name not in {p.name for _, p in ck.list_checkpoints(ckpts)}, "a half-written file is no checkpoint"
+
+    resume(run.run_dir)
+    starts = records(run.run_dir, "start")
+    assert [s["start_step"] for s in starts] == [0, previous]
+    assert records(run.run_dir, "end")[-1]["status"] == "completed"
+    steps = [r["step"] for r in records(run.run_dir, "step")]
+    second = steps[len(steps) - (total - previous):]
+    assert second == list(range(previous + 1, total + 1)), "the resumed segment runs every step after the checkpoint"
+    assert not list(ckpts.glob(".ckpt-*.tmp")), "the stale temporary file was cleaned up"
+
+
+# --------------------------------------------------------------------------- the watchdog
+def _watch(tmp_path: Path, code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "CYCLONE"))}
+    return subprocess.run([sys.executable, "-m", "cyclone_kit.runtime.watchdog", "--run-dir", str(tmp_path), "--",
+                           sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_watchdog_records_a_rank_killed_by_a_signal(tmp_path: Path) -> None:
+    (tmp_path / "spec.json").write_text("{}")
+    result = _watch(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+                    {"SLURM_JOB_ID": "42", "SLURM_PROCID": "3", "SLURMD_NODENAME": "c9"})
+    assert result.returncode == -signal.SIGKILL, result  # the watchdog dies the same way
+    record = json.loads((tmp_path / "ranks" / "error-rank-00003.json").read_text())
+    assert (record["rank"], record["host"], record["signal"], record["exit_code"]) == (3, "c9", "SIGKILL", 137)
+    assert root_cause(tmp_path).startswith("rank 3 on host c9 (pid ") and "killed by SIGKILL" in root_cause(tmp_path)
+    assert "watchdog: rank 3 on host c9" in result.stderr
+
+
+def test_watchdog_forwards_signals_and_passes_exit_codes_through(tmp_path: Path) -> None:
+    code = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGUSR2, lambda s, f: sys.exit(7))\n"
+            "os.kill(os.getppid(), signal.SIGUSR2)\n"  # reaches the watchdog, which must pass it on
+            "time.sleep(30)\n")
+    result = _watch(tmp_path, code, {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"})
+    assert result.returncode == 7, result
+    assert not (tmp_path / "ranks").exists() and not (tmp_path / "failure.json").exists(), "an exit code is no death"
+    # A signal the watchdog passed on is a stop request, not a crash: no record either.
+    code = "import os, signal, time\nos.kill(os.getppid(), signal.SIGTERM)\ntime.sleep(30)\n"
+    result = _watch(tmp_path, code, {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"})
+    assert result.returncode == -signal.SIGTERM
+    assert not (tmp_path / "failure.json").exists()
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"SLURM_JOB_ID": "7"}, True),
+    ({"SLURM_ARRAY_JOB_ID": "7"}, True),
+    ({}, False),
+    ({"SLURM_JOB_ID": "7", "CYCLONE_LAUNCHER": "local"}, False),  # the local launcher watches its ranks
+    ({"SLURM_JOB_ID": "7", watchdog.CHILD_VAR: "1"}, False),  # never a watchdog of a watchdog
+    ({"SLURM_JOB_ID": "7", watchdog.SWITCH_VAR: "0"}, False),
+    ({watchdog.SWITCH_VAR: "1"}, True),
+])
+def test_watchdog_wanted(env: dict[str, str], expected: bool) -> None:
+    assert watchdog.wanted(env) is expected
+
+
+def test_first_failure_record_wins(tmp_path: Path) -> None:
+    first = watchdog.death_record(1, "c1", 100, -9, "2026-01-01T00:00:00.000+00:00")
+    second = watchdog.death_record(2, "c2", 200, -11, "2026-01-01T00:00:01.000+00:00")
+    watchdog.write_records(tmp_path, first)
+    watchdog.write_records(tmp_path, second)
+    assert json.loads((tmp_path / "failure.json").read_text())["first"]["rank"] == 1
+    assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == ["error-rank-00001.json", "error-rank-00002.json"]
+    assert watchdog.root_cause_line(second) == "rank 2 on host c2 (pid 200) killed by SIGSEGV"

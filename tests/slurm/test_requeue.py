@@ -1,0 +1,122 @@
+"""Requeue on the wall-time limit, on the real local Slurm cluster (issue 4, "done when" bullet 3).
+
+Two jobs/smoke.toml jobs run side by side on 2 nodes x 1 task with ``--time 1`` and
+``checkpoint.signal_lead_s=40``, so the genuine ``#SBATCH --signal=USR2@40`` reaches the ranks
+about 20 s after the start, long before 800 optimizer steps can be done:
+
+* the default job (max_requeues=3) checkpoints, runs ``scontrol requeue`` and exits; Slurm
+  starts it again (SLURM_RESTART_COUNT=1) and it resumes from the checkpoint and completes.
+  Once the first segment has stopped, the test raises the job's time limit (``scontrol update``)
+  so that the second segment is not signalled as well: two segments, whatever the machine's speed.
+  The step records (log_every=1) must show every optimizer step exactly once across both.
+* the max_requeues=0 job is signalled the same way, checkpoints, ends "preempted" and is not requeued.
+
+Both take about 1.5 minutes together (Slurm holds a requeued job ~30 s: cred_expire).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cyclone_kit.backends.slurm import SlurmBackend
+from cyclone_kit.proc import run_command
+from cyclone_kit.runtime import checkpoint as ck
+from cyclone_kit.slurm.parse import parse_scontrol_job, select_job
+from cyclone_kit.slurm.states import JobState
+from tests.slurm.test_faults import cancel_quietly, read_records, submit_smoke, wait_for
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+STEPS = 800
+LEAD_S = 40
+COMMON = ("--nodes", "2", "--ntasks-per-node", "1", "--time", "1")
+SETS = (f"train.steps={STEPS}", "train.log_every=1", f"checkpoint.signal_lead_s={LEAD_S}")
+
+
+def _ends(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_records(run_dir) if r["kind"] == "end"]
+
+
+def _restarts(job_id: str) -> int:
+    """Slurm's own restart counter (``Restarts=`` of scontrol show job)."""
+    text = run_command(["scontrol", "show", "job", job_id], timeout=30).stdout
+    info = select_job(job_id, parse_scontrol_job(text))
+    assert info is not None, text
+    fields = dict(item.split("=", 1) for item in text.split() if "=" in item)
+    return int(fields["Restarts"])
+
+
+def _when(record: dict[str, Any]) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(record["time"])
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Submit both jobs at once; extend the requeued one's time limit after its first segment; wait for both."""
+    backend = SlurmBackend()
+    runs = tmp_path_factory.mktemp("requeue")
+    requeued = submit_smoke(runs, *COMMON, sets=SETS)
+    limited = submit_smoke(runs, *COMMON, sets=(*SETS, "checkpoint.max_requeues=0"))
+    submitted = time.monotonic()
+    try:
+        # The first segment of the requeued job ends "preempted"; from then on give it time to finish.
+        wait_for(lambda: _ends(requeued[1]), 150, "the first segment to stop on the signal", poll=0.2)
+        first_stop = time.monotonic()
+        run_command(["scontrol", "update", f"JobId={requeued[0]}", "TimeLimit=10"], timeout=30)
+        limited_info = backend.wait(limited[0], timeout=150)
+        requeued_info = backend.wait(requeued[0], timeout=240)
+        done = time.monotonic()
+    finally:
+        cancel_quietly(backend, requeued[0])
+        cancel_quietly(backend, limited[0])
+    print(f"requeue job {requeued[0]}: signalled and stopped {first_stop - submitted:.1f} s after submission, "
+          f"{requeued_info.state.value} {done - submitted:.1f} s after submission")
+    return {"requeued": (*requeued, requeued_info), "limited": (*limited, limited_info)}
+
+
+def test_signalled_job_checkpoints_requeues_resumes_and_completes(jobs: dict[str, Any]) -> None:
+    job_id, run_dir, info = jobs["requeued"]
+    records = read_records(run_dir)
+    starts = [r for r in records if r["kind"] == "start"]
+    ends = [r for r in records if r["kind"] == "end"]
+    assert info.state is JobState.COMPLETED, info
+    assert [e["status"] for e in ends] == ["preempted", "completed"], ends
+    assert [s["restart_count"] for s in starts] == [0, 1], starts
+    assert [s["slurm_job_id"] for s in starts] == [job_id, job_id]
+    stopped_at = ends[0]["steps"]
+    assert 0 < stopped_at < STEPS, "the signal came after the run had finished: nothing was tested"
+    assert starts[1]["start_step"] == stopped_at, "the second segment resumed from the signal's checkpoint"
+    assert ends[1]["steps"] == STEPS
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, STEPS + 1)), "every optimizer step exactly once, in order, across the requeue"
+    assert _restarts(job_id) == 1
+    round_trip = (_when(starts[1]) - _when(ends[0])).total_seconds()
+    first_segment = (_when(ends[0]) - _when(starts[0])).total_seconds()
+    print(f"job {job_id}: signalled after {first_segment:.1f} s of training at step {stopped_at}/{STEPS}; "
+          f"requeue round trip (preempted end record -> next start record) {round_trip:.1f} s")
+    out = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
+    assert "requeue 1 of at most 3" in out, out[-2000:]
+    assert f"job {job_id} on c[1-2]" in out and "restart 1" in out, out[-2000:]
+    assert next(s for s, _ in ck.list_checkpoints(run_dir / "checkpoints")) == STEPS
+
+
+def test_max_requeues_zero_stops_preempted_without_requeue(jobs: dict[str, Any]) -> None:
+    job_id, run_dir, info = jobs["limited"]
+    records = read_records(run_dir)
+    starts = [r for r in records if r["kind"] == "start"]
+    ends = [r for r in records if r["kind"] == "end"]
+    assert len(starts) == 1 and starts[0]["restart_count"] == 0
+    assert [e["status"] for e in ends] == ["preempted"], ends
+    stopped_at = ends[0]["steps"]
+    assert 0 < stopped_at < STEPS
+    assert info.state is JobState.COMPLETED, info  # a clean stop: the batch script exits 0
+    assert _restarts(job_id) == 0
+    out = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
+    assert "already requeued 0 time(s) (checkpoint.max_requeues=0)" in out, out[-2000:]
+    state, _ = ck.load_latest(run_dir / "checkpoints")
+    assert state["step"] == stopped_at, "the stop was checkpointed"
