@@ -174,6 +174,10 @@ def new_job_id() -> str:
     return str(900_000_000 + secrets.randbelow(100_000_000))
 
 
+#: Signals the launcher passes on to every rank, as srun does for ``--signal``.
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
 def signal_name(returncode: int | None) -> str | None:
     """``SIGKILL`` for a return code of -9, else None (pure)."""
     if returncode is None or returncode >= 0:
@@ -404,10 +408,19 @@ def launch(
     def on_signal(signum: int, frame: object) -> None:
         raise _Interrupted(signal.Signals(signum).name)
 
+    def forward(signum: int, frame: object) -> None:
+        # Like srun: the requeue/checkpoint signals go to every rank, which stop cleanly on their own.
+        for rank, proc in enumerate(procs):
+            if rank not in exits:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signum)
+
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, forward)
     follower = _Follower(logs / "rank-0.out", echo) if echo is not None else None
     try:
         try:
@@ -449,8 +462,9 @@ def launch(
             interrupted = True
             stop_began = stop_began or time.monotonic()
             # Ignore further Ctrl-C while the ranks are being stopped: a second one must not orphan them.
-            for sig in previous:
-                signal.signal(sig, signal.SIG_IGN)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if sig in previous:
+                    signal.signal(sig, signal.SIG_IGN)
             stopping.update(r for r in range(len(procs)) if r not in exits)
             _terminate(procs, stopping, exits)
             _drain(procs, events, exits, envs, stopping, started, grace_s)
