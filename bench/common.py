@@ -15,12 +15,18 @@ Both sides of every comparison are started as fresh processes and measured the s
   minus its window's ``step_time_s x steps``, i.e. the window start taken just before the loop;
   the plain script: ``loop_start_unix``).
 
+* **CPU cost per sample** (a cross-check that other load hardly moves): the user + system CPU time
+  of every rank process, sampled from /proc every 50 ms by :class:`CpuSampler` and interpolated
+  at the end of the first (warm-up) window and the end of the last, divided by the samples trained
+  in between. It shows extra work (Python, copies, extra collectives), not time spent waiting.
+
 ``CK_BENCH_QUICK=1`` shrinks every benchmark to a smoke run (1 pair, few steps) for the tests.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -28,7 +34,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +137,7 @@ class RunResult:
     wall_s: float
     load: str = field(default_factory=load)
     windows: list[float] = field(default_factory=list)
+    cpu_ms_per_sample: float | None = None
 
     @property
     def best_window(self) -> float:
@@ -139,6 +148,62 @@ class RunResult:
 
 def _utc_to_unix(text: str) -> float:
     return datetime.datetime.fromisoformat(text).timestamp()
+
+
+class CpuSampler:
+    """Samples the CPU time (user + system, all threads) of a changing set of processes every 50 ms."""
+
+    def __init__(self, pids: Callable[[], list[int]], interval: float = 0.05) -> None:
+        self.pids, self.interval = pids, interval
+        self.samples: dict[int, list[tuple[float, float]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pid in self.pids():
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                cpu = (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
+                self.samples.setdefault(pid, []).append((time.time(), cpu))
+            self._stop.wait(self.interval)
+
+    def cpu_between(self, t0: float, t1: float) -> float | None:
+        """CPU seconds all sampled processes used between wall-clock times t0 and t1 (interpolated)."""
+        total = 0.0
+        found = False
+        for series in self.samples.values():
+            a, b = _interp(series, t0), _interp(series, t1)
+            if a is not None and b is not None:
+                total += b - a
+                found = True
+        return total if found else None
+
+
+def _interp(series: list[tuple[float, float]], t: float) -> float | None:
+    for (ta, ca), (tb, cb) in itertools.pairwise(series):
+        if ta <= t <= tb:
+            return ca if tb == ta else ca + (cb - ca) * (t - ta) / (tb - ta)
+    return None
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc/PID/task/PID/children; empty when unavailable)."""
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def read_runtime_metrics(run_dir: Path) -> tuple[float, float, list[float]]:
@@ -154,8 +219,27 @@ def read_runtime_metrics(run_dir: Path) -> tuple[float, float, list[float]]:
     return float(end["samples_per_s"]), loop_start, [float(r["samples_per_s"]) for r in steps]
 
 
-def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: Path) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def steady_bounds_runtime(run_dir: Path) -> tuple[float, float, int] | None:
+    """(end of the first window, end of the last, samples in between) from the runtime's step records."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
+    start = next(r for r in records if r["kind"] == "start")
+    steps = [r for r in records if r["kind"] == "step"]
+    if len(steps) < 2:
+        return None
+    n = (steps[-1]["step"] - steps[0]["step"]) * start["global_batch_size"]
+    return _utc_to_unix(steps[0]["time"]), _utc_to_unix(steps[-1]["time"]), n
+
+
+def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: Path,
+         sampler: CpuSampler | None = None) -> subprocess.CompletedProcess[str]:
+    with subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        if sampler is not None:
+            sampler.pids = lambda: children(p.pid)
+            with sampler:
+                stdout, stderr = p.communicate(timeout=timeout)
+        else:
+            stdout, stderr = p.communicate(timeout=timeout)
+    proc = subprocess.CompletedProcess(argv, p.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -168,8 +252,9 @@ def run_ours(work: Workload, nproc: int, tmp: Path, tag: str, timeout: float = 6
     runs = tmp / "runs"
     argv = [sys.executable, "-m", "cyclone_kit", "run", str(spec), "--nproc", str(nproc), "--threads", "1",
             "--runs-dir", str(runs), "--quiet", "--cpu"]
+    sampler = CpuSampler(list)
     t0 = time.time()
-    proc = _run(argv, bench_env(), timeout, REPO)
+    proc = _run(argv, bench_env(), timeout, REPO, sampler)
     wall = time.time() - t0
     line = next((x for x in proc.stdout.splitlines() if x.startswith("run dir: ")), None)
     if line is None:
@@ -177,7 +262,15 @@ def run_ours(work: Workload, nproc: int, tmp: Path, tag: str, timeout: float = 6
     run_dir = Path(line.split(": ", 1)[1].strip())
     rate, loop_start, windows = read_runtime_metrics(run_dir)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    return RunResult("cyclone_kit", nproc, rate, loop_start - t0, wall, windows=windows)
+    return RunResult("cyclone_kit", nproc, rate, loop_start - t0, wall, windows=windows,
+                     cpu_ms_per_sample=_cpu_ms(sampler, steady_bounds_runtime(run_dir)))
+
+
+def _cpu_ms(sampler: CpuSampler, bounds: tuple[float, float, int] | None) -> float | None:
+    if bounds is None or bounds[2] <= 0:
+        return None
+    cpu = sampler.cpu_between(bounds[0], bounds[1])
+    return None if cpu is None else 1000 * cpu / bounds[2]
 
 
 def run_plain(work: Workload, nproc: int, tmp: Path, tag: str, *, torchrun: bool, timeout: float = 600) -> RunResult:
@@ -191,7 +284,9 @@ def run_plain(work: Workload, nproc: int, tmp: Path, tag: str, *, torchrun: bool
         _run(argv, env, timeout, REPO)
     else:
         port = _free_port()
-        procs = []
+        procs: list[subprocess.Popen[str]] = []
+        sampler = CpuSampler(lambda: [p.pid for p in procs])
+        sampler.__enter__()
         for rank in range(nproc):
             renv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -200,12 +295,18 @@ def run_plain(work: Workload, nproc: int, tmp: Path, tag: str, *, torchrun: bool
         for p in procs:
             stdout, stderr = p.communicate(timeout=timeout)
             if p.returncode != 0:
+                sampler.__exit__()
                 raise RuntimeError(f"plain_ddp.py exited {p.returncode}:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+        sampler.__exit__()
     wall = time.time() - t0
     result = json.loads(out.read_text(encoding="utf-8"))
     side = "torchrun + plain script" if torchrun else "plain DDP loop"
+    ends = result.get("window_end_unix", [])
+    cpu = None
+    if not torchrun and len(ends) >= 2:
+        cpu = _cpu_ms(sampler, (ends[0], ends[-1], (result["steps"] - work.log_every) * work.batch * nproc))
     return RunResult(side, nproc, float(result["samples_per_s"]), result["loop_start_unix"] - t0, wall,
-                     windows=result["window_rates"])
+                     windows=result["window_rates"], cpu_ms_per_sample=cpu)
 
 
 def _free_port() -> int:

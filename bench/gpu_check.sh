@@ -20,6 +20,7 @@
 # NCCL, bf16 autocast still on); compile stages are skipped unless CK_GPU_CHECK_COMPILE=1.
 #
 # Usage: bash bench/gpu_check.sh [--cpu]      (from the repository root or anywhere)
+# Exit:  0 every stage ran; 1 a stage failed; 2 no CUDA (GPU mode); 3 a stage was skipped or timed out.
 # Env:   PYTHON (default: .venv/bin/python, else python3), CK_GPU_CHECK_BUDGET_S (default 270),
 #        CK_GPU_CHECK_STEPS (default 50 eager / 40 compile).
 set -uo pipefail
@@ -107,6 +108,7 @@ EOF
 
 declare -A RATE
 STATUS_OK=1
+PARTIAL=0
 
 time_left() { echo $(( BUDGET_S - SECONDS )); }
 
@@ -116,7 +118,7 @@ stage() {
   local left; left=$(time_left)
   if (( left < need )); then
     say "-- $name: SKIPPED (time budget: ${left}s left, needs ~${need}s)"
-    RATE[$name]=""; return 0
+    RATE[$name]=""; PARTIAL=1; return 0
   fi
   (( tmo > left )) && tmo=$left
   say "-- $name (timeout ${tmo}s)"
@@ -124,10 +126,15 @@ stage() {
   if [[ "$kind" == bare ]]; then
     timeout -k 10 "$tmo" "$PY" bench/plain_ddp.py --device "$DEVICE" --bf16 --channels-last --model "$MODEL" \
       --image-size "$SIZE" --num-classes "$CLASSES" --batch "$BATCH" --log-every "$LOG_EVERY" \
-      --threads "$(nproc)" --out "$out" "$@" >"$WORK/$name.out" 2>&1 || rc=$?
+      --threads "$(nproc)" --pool "$BATCH" --out "$out" "$@" >"$WORK/$name.out" 2>&1 || rc=$?
   else
     timeout -k 10 "$tmo" "$PY" -m cyclone_kit run "$WORK/spec.toml" --nproc 1 --runs-dir "$WORK/runs" --quiet \
       "${RUN_FLAGS[@]}" "$@" >"$WORK/$name.out" 2>&1 || rc=$?
+  fi
+  if (( rc == 124 || rc == 137 )); then
+    say "   TIMED OUT after $((SECONDS - t0))s (stage limit ${tmo}s); no figure. Last lines:"
+    tail -n 5 "$WORK/$name.out" | sed 's/^/   | /' | tee -a "$LOG"
+    RATE[$name]=""; PARTIAL=1; return 0
   fi
   if (( rc != 0 )); then
     say "   FAILED (exit $rc after $((SECONDS - t0))s); last lines:"
@@ -205,5 +212,9 @@ fi
 if [[ "$STATUS_OK" != 1 ]]; then
   say "== some stages FAILED (see above)"
   exit 1
+fi
+if [[ "$PARTIAL" == 1 ]]; then
+  say "== some stages were skipped or timed out (time budget ${BUDGET_S}s): raise CK_GPU_CHECK_BUDGET_S or lower CK_GPU_CHECK_STEPS"
+  exit 3
 fi
 exit 0

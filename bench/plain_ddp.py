@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     starts = list(range(0, pool - args.batch + 1, args.batch))
 
     rates: list[float] = []
+    ends: list[float] = []
     loss = torch.zeros(())
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=args.bf16)
     loop_start = time.time()
@@ -111,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             value = float(loss.item())  # the window's only host sync (also waits for the GPU)
             elapsed = max(time.perf_counter() - window_start, 1e-9)
             rates.append(args.batch * world * n / elapsed)
+            ends.append(time.time())
             window_start, n = time.perf_counter(), 0
     steady = rates[1:] if len(rates) > 1 else rates
     result = {"samples_per_s": statistics.median(steady), "loop_start_unix": loop_start, "window_rates": rates,
+              "window_end_unix": ends,
               "world_size": world, "steps": args.steps, "final_loss": value, "model": args.model,
               "batch": args.batch, "threads": torch.get_num_threads(), "device": str(dev), "bf16": args.bf16,
               "channels_last": args.channels_last, "compile": args.compile, "ddp": use_ddp,

@@ -225,6 +225,7 @@ class TrainConfig:
     num_workers: int = -1
     pg_timeout_s: int = 120
     microbatches: int = 4
+    fp16_allreduce: bool = False
 
     def __post_init__(self) -> None:
         _choice("train.model", self.model, MODELS)
@@ -291,6 +292,7 @@ class CheckpointConfig:
     max_requeues: int = 3
     signal: str = "USR2"
     signal_lead_s: int = 120
+    sharded: bool = False
 
     def __post_init__(self) -> None:
         _non_negative("checkpoint.every_steps", self.every_steps)

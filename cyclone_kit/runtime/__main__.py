@@ -4,7 +4,9 @@ Also the importable entry point :func:`run_training`, used by the submitit backe
 local launcher. A rank that fails writes ``DIR/ranks/error-rank-<rank:05d>.json`` (rank, host,
 exception type, message, traceback) and exits at once with a non-zero code, without waiting
 for its peers; they fail on their next collective (a closed connection, or the process-group
-timeout) and exit the same way, so no rank is left hanging.
+timeout) and exit the same way, so no rank is left hanging. Under Slurm the rank runs as the
+child of a small watchdog (:mod:`cyclone_kit.runtime.watchdog`) that writes the error record and
+``failure.json`` when the rank is killed by a signal and cannot write them itself.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.run_dir:
         sys.stderr.write("error: no run directory HINT: pass --run-dir DIR (or export CYCLONE_RUN_DIR)\n")
         return 2
+    from cyclone_kit.runtime import watchdog
+
+    if watchdog.wanted(os.environ):  # under Slurm: a parent records how this rank died (see watchdog)
+        rest = list(sys.argv[1:] if argv is None else argv)
+        return watchdog.supervise([sys.executable, "-m", "cyclone_kit.runtime", *rest], args.run_dir)
     try:
         return run_training(args.run_dir, args.spec)
     except CycloneError as e:

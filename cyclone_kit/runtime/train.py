@@ -172,7 +172,15 @@ def _shard_units(model: nn.Module) -> list[nn.Module]:
 STRATEGIES: dict[str, Callable[[nn.Module, DeviceChoice, TrainConfig, bool], nn.Module]] = {
     "ddp": _wrap_ddp,
     "fsdp": _wrap_fsdp,
+    "horovod": lambda *args: _hvd().wrap_horovod(*args),
 }
+
+
+def _hvd() -> Any:
+    """cyclone_kit.runtime.hvd (Horovod hooks), imported only for strategy 'horovod'."""
+    from cyclone_kit.runtime import hvd
+
+    return hvd
 
 
 def _pipeline_engine() -> Callable[..., str]:
@@ -234,6 +242,8 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     run_dir = Path(run_dir)
     tc, cc = spec.train, spec.checkpoint
     stop_flag = stop_flag or StopFlag(cc.signal).install()
+    if tc.strategy == "horovod":  # hvd.init(); ranks, local rank (device) and side channel from Horovod
+        env = _hvd().horovod_env(env, environ)
     threads = setup_threads(environ)
     device = probe_device(env, environ)
     if device.warning and env.local_rank == 0:
@@ -265,6 +275,8 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     wrapped = wrap_model(tc.strategy, model, device, tc, distributed)
     runner = torch.compile(wrapped) if tc.compile else wrapped
     optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    if tc.strategy == "horovod":
+        optimizer = _hvd().distributed_optimizer(optimizer, model, tc)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, plan.warmup_steps, plan.total_steps))
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
@@ -276,7 +288,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         if found is not None:
             state, path = found
             step = _restore(state, model, optimizer, scheduler, scaler, env,
-                            sharded=tc.strategy == "fsdp" and distributed)
+                            sharded=tc.strategy == "fsdp" and distributed, folder=path.parent)
             if env.is_main:
                 print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
     if step >= plan.total_steps:
@@ -510,7 +522,12 @@ class _Loop:
         model_state: Any = None
         optim_state: Any = None
         optim_format = "torch"
-        if self.sharded:  # a collective: every rank takes part, rank 0 keeps the full tensors
+        if self.sharded and self.cc.sharded:  # every rank writes its own shards (runtime/fsdp_ckpt.py)
+            from cyclone_kit.runtime import fsdp_ckpt
+
+            entries = fsdp_ckpt.save_sharded(self.run_dir / "checkpoints", step, self.model, self.optimizer)
+            model_state, optim_state, optim_format = entries["model"], None, fsdp_ckpt.FORMAT
+        elif self.sharded:  # a collective: every rank takes part, rank 0 keeps the full tensors
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
@@ -540,6 +557,10 @@ class _Loop:
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
             ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.cc.keep)
+            if optim_format == "dcp":
+                from cyclone_kit.runtime import fsdp_ckpt
+
+                fsdp_ckpt.prune(self.run_dir / "checkpoints")
         if self.distributed:
             import torch.distributed as dist
 
@@ -571,9 +592,19 @@ class _Loop:
 
 # --------------------------------------------------------------------------- helpers
 def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-             scaler: Any, env: DistEnv, sharded: bool = False) -> int:
+             scaler: Any, env: DistEnv, sharded: bool = False, folder: Path | None = None) -> int:
     fqn = state.get("optimizer_format") == "fqn"
-    if sharded or fqn:
+    if state.get("optimizer_format") == "dcp":  # FSDP shards (checkpoint.sharded) in folder/ckpt-N.dcp
+        from cyclone_kit.runtime import fsdp_ckpt
+
+        if not sharded or folder is None:
+            raise ValidationError(
+                f"checkpoint of step {state['step']} holds FSDP shards (checkpoint.sharded); "
+                "only an FSDP run with several ranks can resume it",
+                hint="resume with train.strategy=fsdp on 2 or more ranks, or start a new run directory",
+            )
+        fsdp_ckpt.load_sharded(folder, state, model, optimizer)
+    elif sharded or fqn:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,

@@ -163,7 +163,8 @@ def supervise(argv: Sequence[str], run_dir: Path | str | None, environ: Mapping[
     base = dict(os.environ if environ is None else environ)
     target = run_dir or base.get("CYCLONE_RUN_DIR")
     forwarded: list[int] = []
-    child = subprocess.Popen(list(argv), env={**base, CHILD_VAR: "1"})
+    # close_fds=False: the rank inherits every descriptor, as if srun had started it (PMI_FD of MPI/Horovod).
+    child = subprocess.Popen(list(argv), env={**base, CHILD_VAR: "1"}, close_fds=False)
 
     def forward(signum: int, frame: object) -> None:
         forwarded.append(signum)

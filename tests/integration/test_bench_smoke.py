@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow
+
 QUICK_ENV = {**os.environ, "CK_BENCH_QUICK": "1", "PYTHONUNBUFFERED": "1"}
 
 

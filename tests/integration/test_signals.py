@@ -174,7 +174,7 @@ def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: P
     """USR2 then SIGTERM/USR2 alternately every 2 ms at both ranks until the stop checkpoint is in
     place. ResNet-18 makes the checkpoint big (~90 MB with momentum), so the write takes long enough
     to be hit many times; checkpoint.every_steps=0 makes it the only checkpoint."""
-    total = 40
+    total = 20
     run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
                    "train.log_every=1", "checkpoint.every_steps=0")
     ckpts = run.run_dir / "checkpoints"
@@ -215,7 +215,7 @@ def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: P
 def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previous(tmp_path: Path) -> None:
     """Rank 0 (the writer) is SIGKILLed while its temporary checkpoint file exists, after an earlier
     checkpoint is complete; the run fails, and the same run directory resumes from the earlier one."""
-    total, every = 40, 5
+    total, every = 20, 5
     run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
                    "train.log_every=1", f"checkpoint.every_steps={every}", "checkpoint.keep=3")
     ckpts = run.run_dir / "checkpoints"

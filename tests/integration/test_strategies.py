@@ -72,6 +72,40 @@ def test_fsdp_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str,
         torch.testing.assert_close(p_resumed[name], p_full[name], rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
 
 
+
+def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
+    """checkpoint.sharded=true: every rank writes its shards with torch.distributed.checkpoint into
+    ckpt-N.dcp/ (keep=2 prunes old ones); training is unchanged and a copy of step 10 resumes exactly."""
+    import json
+
+    run = tmp_path / "fsdp-dcp"
+    write_spec(run, strategy="fsdp", **COMMON)
+    spec = json.loads((run / "spec.json").read_text())
+    spec["checkpoint"].update(sharded=True, every_steps=5)  # checkpoints at 5, 10 and 12; keep=2
+    (run / "spec.json").write_text(json.dumps(spec))
+    run_ranks(run, 2)
+    losses = [r["loss"] for r in records(run, "step")]
+    assert losses == [r["loss"] for r in records(runs["fsdp"], "step")]
+    folder = run / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "ckpt-000000010.dcp", "ckpt-000000010.pt", "ckpt-000000012.dcp", "ckpt-000000012.pt"]
+    assert len(list((folder / "ckpt-000000012.dcp").glob("*.distcp"))) == 2  # one shard file per rank
+    state = ck.load_checkpoint(folder / "ckpt-000000012.pt")
+    assert state["optimizer_format"] == "dcp" and state["model"] == {"dcp": "ckpt-000000012.dcp"}
+
+    again = tmp_path / "fsdp-dcp-resume"
+    (again / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "spec.json", again / "spec.json")
+    shutil.copy(folder / "ckpt-000000010.pt", again / "checkpoints")
+    shutil.copytree(folder / "ckpt-000000010.dcp", again / "checkpoints" / "ckpt-000000010.dcp")
+    assert "at step 10" in run_ranks(again, 2)[0][1]
+    resumed = {r["step"]: r["loss"] for r in records(again, "step")}
+    assert sorted(resumed) == [11, 12]
+    assert [resumed[s] for s in (11, 12)] == pytest.approx(losses[10:], rel=1e-5, abs=1e-6)
+    (code, _, err), = finish(start_ranks(again, 1))  # one process (no FSDP) cannot take the shards
+    assert code != 0 and "holds FSDP shards" in err
+
+
 # ------------------------------------------------------------------------ pipeline
 PIPELINE_CHILD = r"""
 import contextlib, sys, torch, torch.distributed as dist
@@ -178,3 +212,114 @@ def test_pipeline_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[
     full = {r["step"]: r["loss"] for r in records(src, "step")}
     assert sorted(resumed) == [11, 12]
     assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
+
+
+
+# ------------------------------------------------------------------------ analysis
+def test_one_report_over_ddp_fsdp_and_pipeline_runs_groups_them_by_strategy(runs: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    import pandas as pd
+
+    from cyclone_kit.analysis.report import write_report
+
+    out = tmp_path / "report"
+    write_report([runs["ddp"], runs["fsdp"], runs["pipeline"]], out)
+    table = pd.read_csv(out / "scaling.csv")
+    assert sorted(table["strategy"]) == ["ddp", "fsdp", "pipeline"]
+    assert (table["world_size"] == 2).all() and (table["samples_per_s"] > 0).all()
+    md = (out / "report.md").read_text()
+    for strategy in ("ddp", "fsdp", "pipeline"):
+        assert f"Scaling table ({strategy})" in md
+
+
+# ------------------------------------------------------------------------ Horovod (when built)
+def _horovod_missing() -> str | None:
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError from a broken extension
+        return (f"'import horovod.torch' failed ({type(exc).__name__}: {exc}); "
+                "build it with scripts/build-horovod.sh")
+    return None
+
+
+def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
+    """The engine on ``run_dir`` under ``horovodrun --gloo`` (the whole process tree killed on timeout)."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from cyclone_kit.runtime.hvd import horovodrun_command
+    from tests.integration.test_ddp import REPO, clean_env
+
+    cmd = horovodrun_command(str(run_dir), np, python=sys.executable)
+    cmd = [sys.executable, str(Path(sys.executable).parent / "horovodrun"), *cmd[1:2], "--start-timeout", "60", *cmd[2:]]
+    env = {**clean_env(), "HOROVOD_GLOO_TIMEOUT_SECONDS": "60", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        import psutil  # a Horovod dependency
+
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"horovodrun did not finish in {timeout} s:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"horovodrun exited {proc.returncode}:\n{out[-4000:]}"
+    return out
+
+
+def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
+    """horovodrun --gloo, 2 ranks x batch 32: the DDP losses; a copy of its step-10 checkpoint resumes."""
+    missing = _horovod_missing()
+    if missing:
+        pytest.skip(f"Horovod not importable: {missing}")
+    run = tmp_path / "horovod"
+    write_spec(run, strategy="horovod", **COMMON)
+    out = run_horovodrun(run)
+    ddp = [r["loss"] for r in records(runs["ddp"], "step")]
+    hvd = [r["loss"] for r in records(run, "step")]
+    diff = max(abs(a - b) for a, b in zip(ddp, hvd, strict=True))
+    print(f"ddp vs horovod, 12 steps x 2 ranks: max |loss difference| {diff:.2e}; final {ddp[-1]:.5f} / {hvd[-1]:.5f}")
+    assert len(hvd) == 12 and hvd == pytest.approx(ddp, rel=2e-3, abs=2e-4)
+    start, end = records(run, "start")[0], records(run, "end")[-1]
+    assert (start["strategy"], start["world_size"], start["launcher"]) == ("horovod", 2, "horovodrun"), out[-2000:]
+    assert end["status"] == "completed" and end["steps"] == 12
+    assert sorted(p.name for p in (run / "ranks").iterdir()) == ["rank-00000.json", "rank-00001.json"]
+    p_ddp, p_hvd = final_params(runs["ddp"]), final_params(run)
+    for name in p_ddp:
+        torch.testing.assert_close(p_hvd[name], p_ddp[name], rtol=1e-2, atol=2e-3, msg=f"parameter {name}")
+
+    again = tmp_path / "horovod-resume"
+    (again / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "spec.json", again / "spec.json")
+    ten = ck.checkpoint_path(run / "checkpoints", 10)
+    shutil.copy(ten, again / "checkpoints" / ten.name)
+    assert "at step 10" in run_horovodrun(again)
+    resumed = {r["step"]: r["loss"] for r in records(again, "step")}
+    full = {r["step"]: r["loss"] for r in records(run, "step")}
+    assert sorted(resumed) == [11, 12]
+    assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
+
+
+def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[str, Path], tmp_path: Path) -> None:
+    """2 ranks x 16 x 2 accumulated passes (backward_passes_per_step=2), fp16 gradient compression:
+    the same global batch of 64, so the DDP losses up to fp16 rounding of the gradients."""
+    missing = _horovod_missing()
+    if missing:
+        pytest.skip(f"Horovod not importable: {missing}")
+    run = tmp_path / "horovod-fp16"
+    write_spec(run, strategy="horovod", fp16_allreduce=True, grad_accum=2, **{**COMMON, "batch_size": 16})
+    run_horovodrun(run)
+    ddp = [r["loss"] for r in records(runs["ddp"], "step")]
+    hvd = [r["loss"] for r in records(run, "step")]
+    diff = max(abs(a - b) for a, b in zip(ddp, hvd, strict=True))
+    print(f"ddp vs horovod fp16 allreduce + grad_accum 2: max |loss difference| {diff:.2e}")
+    assert records(run, "start")[0]["grad_accum"] == 2
+    assert len(hvd) == 12 and hvd == pytest.approx(ddp, rel=2e-2, abs=2e-3)

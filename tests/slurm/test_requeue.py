@@ -2,7 +2,7 @@
 
 Two jobs/smoke.toml jobs run side by side on 2 nodes x 1 task with ``--time 1`` and
 ``checkpoint.signal_lead_s=40``, so the genuine ``#SBATCH --signal=USR2@40`` reaches the ranks
-about 20 s after the start, long before 800 optimizer steps can be done:
+about 20 s after the start, long before 600 optimizer steps can be done:
 
 * the default job (max_requeues=3) checkpoints, runs ``scontrol requeue`` and exits; Slurm
   starts it again (SLURM_RESTART_COUNT=1) and it resumes from the checkpoint and completes.
@@ -32,7 +32,7 @@ from tests.slurm.test_faults import cancel_quietly, read_records, submit_smoke, 
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-STEPS = 800
+STEPS = 600
 LEAD_S = 40
 COMMON = ("--nodes", "2", "--ntasks-per-node", "1", "--time", "1")
 SETS = (f"train.steps={STEPS}", "train.log_every=1", f"checkpoint.signal_lead_s={LEAD_S}")
@@ -95,6 +95,8 @@ def test_signalled_job_checkpoints_requeues_resumes_and_completes(jobs: dict[str
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps == list(range(1, STEPS + 1)), "every optimizer step exactly once, in order, across the requeue"
     assert _restarts(job_id) == 1
+    assert not (run_dir / "failure.json").exists(), "a clean requeue is no failure"
+    assert not list((run_dir / "ranks").glob("error-rank-*.json")), "a clean requeue is no failure"
     round_trip = (_when(starts[1]) - _when(ends[0])).total_seconds()
     first_segment = (_when(ends[0]) - _when(starts[0])).total_seconds()
     print(f"job {job_id}: signalled after {first_segment:.1f} s of training at step {stopped_at}/{STEPS}; "
@@ -116,6 +118,7 @@ def test_max_requeues_zero_stops_preempted_without_requeue(jobs: dict[str, Any])
     assert 0 < stopped_at < STEPS
     assert info.state is JobState.COMPLETED, info  # a clean stop: the batch script exits 0
     assert _restarts(job_id) == 0
+    assert not (run_dir / "failure.json").exists(), "a clean stop is no failure"
     out = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
     assert "already requeued 0 time(s) (checkpoint.max_requeues=0)" in out, out[-2000:]
     state, _ = ck.load_latest(run_dir / "checkpoints")
