@@ -15,10 +15,12 @@ Both sides of every comparison are started as fresh processes and measured the s
   minus its window's ``step_time_s x steps``, i.e. the window start taken just before the loop;
   the plain script: ``loop_start_unix``).
 
-* **CPU cost per sample** (a cross-check that other load hardly moves): the user + system CPU time
-  of every rank process, sampled from /proc every 50 ms by :class:`CpuSampler` and interpolated
-  at the end of the first (warm-up) window and the end of the last, divided by the samples trained
-  in between. It shows extra work (Python, copies, extra collectives), not time spent waiting.
+* **CPU cost per sample** (a cross-check, less moved by other load than wall time): the user +
+  system CPU time of every rank process, sampled from /proc every 50 ms by :class:`CpuSampler`
+  and interpolated at the end of the first (warm-up) window and the end of the last, divided by
+  the samples trained in between. It shows extra work (Python, copies, extra collectives), not
+  time spent waiting; under heavy contention it still moves by about +-10% from run to run
+  (caches and memory bandwidth shared with other jobs).
 
 ``CK_BENCH_QUICK=1`` shrinks every benchmark to a smoke run (1 pair, few steps) for the tests.
 """
@@ -279,9 +281,10 @@ def run_plain(work: Workload, nproc: int, tmp: Path, tag: str, *, torchrun: bool
     env = bench_env()
     script = [str(PLAIN), *work.plain_args(), "--out", str(out)]
     t0 = time.time()
+    sampler = CpuSampler(list)
     if torchrun:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script]
-        _run(argv, env, timeout, REPO)
+        _run(argv, env, timeout, REPO, sampler)  # samples torchrun's children: the ranks
     else:
         port = _free_port()
         procs: list[subprocess.Popen[str]] = []
@@ -303,7 +306,7 @@ def run_plain(work: Workload, nproc: int, tmp: Path, tag: str, *, torchrun: bool
     side = "torchrun + plain script" if torchrun else "plain DDP loop"
     ends = result.get("window_end_unix", [])
     cpu = None
-    if not torchrun and len(ends) >= 2:
+    if len(ends) >= 2:
         cpu = _cpu_ms(sampler, (ends[0], ends[-1], (result["steps"] - work.log_every) * work.batch * nproc))
     return RunResult(side, nproc, float(result["samples_per_s"]), result["loop_start_unix"] - t0, wall,
                      windows=result["window_rates"], cpu_ms_per_sample=cpu)

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu_ratio = median(cpu_ratios) if cpu_ratios else None
     if cpu_ratio is not None:
         print(f"cross-check, CPU cost ratio plain/runtime: {cpu_ratio:.3f} (rank CPU time per trained sample, steady "
-              f"state; extra work shows, waiting does not; hardly moved by other load)  "
+              f"state; extra work shows, waiting does not; less moved by other load than wall time, not immune)  "
               f"{'>= ' + str(TARGET) if cpu_ratio >= TARGET else '< ' + str(TARGET)}")
     emit_json({"bench": "overhead", "ours_samples_per_s": median(ours), "plain_samples_per_s": median(plain),
                "ratio": ratio, "ratios": ratios, "best_window_ratio": best,

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.repeats} repeat(s)")
     print(f"machine: {machine_line()}")
     eff: dict[str, list[float]] = {"ours": [], "torchrun": []}
+    cpu_eff: dict[str, list[float]] = {"ours": [], "torchrun": []}
     start: dict[str, list[float]] = {"ours": [], "torchrun": [], "python": []}
     with tempfile.TemporaryDirectory(prefix="ck-bench-scaling-") as tmp:
         tmpd = Path(tmp)
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"start->first step {r.start_to_first_step_s:5.2f} s  wall {r.wall_s:5.1f} s  load {r.load}")
             for side in ("ours", "torchrun"):
                 eff[side].append(got[(side, 2)].samples_per_s / (2 * got[(side, 1)].samples_per_s))
+                one, two = got[(side, 1)].cpu_ms_per_sample, got[(side, 2)].cpu_ms_per_sample
+                if one and two:
+                    cpu_eff[side].append(one / two)
                 start[side].append(got[(side, 2)].start_to_first_step_s)
             if ("python", 1) in got:
                 start["python"].append(got[("python", 1)].start_to_first_step_s)
@@ -84,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"efficiency 2 ranks vs 1 (cyclone_kit): {e_ours:.3f}  (per repeat: {', '.join(f'{x:.3f}' for x in eff['ours'])})")
     print(f"efficiency 2 ranks vs 1 (torchrun):    {e_tr:.3f}  (per repeat: {', '.join(f'{x:.3f}' for x in eff['torchrun'])})")
     print(f"  target: ours >= torchrun's  ratio {e_ours / e_tr:.3f}  {verdict(eff_met)}")
+    c_ours = median(cpu_eff["ours"]) if cpu_eff["ours"] else None
+    c_tr = median(cpu_eff["torchrun"]) if cpu_eff["torchrun"] else None
+    if c_ours is not None and c_tr is not None:
+        print(f"  cross-check, CPU efficiency (CPU time per sample, 1 rank / 2 ranks; less moved by other load than wall time): "
+              f"cyclone_kit {c_ours:.3f}, torchrun {c_tr:.3f}")
     print(f"start -> first step, 2 ranks: cyclone_kit {s_ours:.2f} s, torchrun + plain script {s_tr:.2f} s "
           f"(difference {s_ours - s_tr:+.2f} s)")
     print(f"  target: ours <= torchrun's + {START_SLACK_S} s  {verdict(start_met)}")
@@ -91,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  for information: plain script started directly (python, 1 process) {s_py:.2f} s "
               f"(ours, 2 ranks through the launcher: {s_ours - s_py:+.2f} s)")
     emit_json({"bench": "scaling_cpu", "efficiency_ours": e_ours, "efficiency_torchrun": e_tr,
-               "efficiency_met": eff_met, "start_ours_s": s_ours, "start_torchrun_s": s_tr, "start_python_s": s_py,
+               "efficiency_met": eff_met, "cpu_efficiency_ours": c_ours, "cpu_efficiency_torchrun": c_tr,
+               "start_ours_s": s_ours, "start_torchrun_s": s_tr, "start_python_s": s_py,
                "start_met": start_met, "start_slack_s": START_SLACK_S, "load": load(),
                "workload": f"{work.model} b{work.batch}/rank {work.steps} steps, 1 thread/rank"})
     return 0 if eff_met and start_met else 1

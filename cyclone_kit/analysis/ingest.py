@@ -568,6 +568,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
     step_frames: list[pd.DataFrame] = []
     epoch_rows: list[dict[str, Any]] = []
     rank_rows: list[dict[str, Any]] = []
+    any_records = False
     for metrics_file, given in find_metrics_files(paths):
         run_dir = metrics_file.parent
         try:
@@ -576,6 +577,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
             notes.append(f"{metrics_file}: unreadable ({exc})")
             continue
         parsed = parse_metrics_text(text)
+        any_records = any_records or bool(parsed.segments or parsed.steps or parsed.epochs)
         summary = summarize_run(parsed)
         if parsed.corrupt_lines or parsed.unsupported_lines:
             what = []
@@ -606,6 +608,12 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
         epoch_rows.extend({"run_dir": key, **e} for e in parsed.epochs)
         rank_rows.extend({"run_dir": key, **r} for r in _read_rank_files(run_dir, notes))
 
+    if not any_records:
+        raise ValidationError(
+            f"no metrics record could be read under {', '.join(str(p) for p in paths)} "
+            f"({len(run_rows)} metrics file(s), all empty or corrupt)",
+            hint="point report at runs that have started (their metrics.jsonl holds a start record)",
+        )
     runs = pd.DataFrame(run_rows, columns=list(RUN_COLUMNS))
     for column in ("world_size", "num_nodes", "local_world_size", "per_device_batch_size",
                    "global_batch_size", "repeat", "steps"):

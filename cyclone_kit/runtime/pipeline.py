@@ -489,6 +489,11 @@ class _State:
             return 0
         path = Path(choice[0])
         state = found[0] if found is not None else ckpt.load_checkpoint(path)
+        if state.get("optimizer_format") == "dcp":
+            raise ValidationError(
+                f"checkpoint {path.name} holds FSDP shards (checkpoint.sharded); the pipeline cannot resume it",
+                hint="resume with train.strategy=fsdp, or start a new run directory",
+            )
         self.stage.load_state_dict(state["model"])
         stages = state["optimizer"].get("stages") if state.get("optimizer_format") == "pipeline" else None
         if stages is not None and len(stages) == self.env.world_size:

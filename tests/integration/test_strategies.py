@@ -323,3 +323,18 @@ def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[
     print(f"ddp vs horovod fp16 allreduce + grad_accum 2: max |loss difference| {diff:.2e}")
     assert records(run, "start")[0]["grad_accum"] == 2
     assert len(hvd) == 12 and hvd == pytest.approx(ddp, rel=2e-2, abs=2e-3)
+
+
+def test_horovod_ranks_started_without_horovodrun_are_refused_with_the_launch_command(tmp_path: Path) -> None:
+    """Two torchrun-style processes each see a Horovod world of 1: refused (exit 2, one line + HINT)
+    instead of training twice on rank 0."""
+    missing = _horovod_missing()
+    if missing:
+        pytest.skip(f"Horovod not importable: {missing}")
+    run = tmp_path / "hvd-wrong-launcher"
+    write_spec(run, strategy="horovod", **COMMON)
+    procs = start_ranks(run, 2)
+    for code, _, err in finish(procs):
+        assert code == 2, err
+        assert "Horovod sees 1" in err and "horovodrun --gloo" in err
+    assert not (run / "metrics.jsonl").exists()
