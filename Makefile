@@ -48,7 +48,7 @@ unit: setup
 # As root (CI) the Slurm tier must run: CK_REQUIRE_SLURM=1 turns its skips into failures.
 test: setup data slurm-up horovod
 	$(PY) -m ruff check .
-	CK_REQUIRE_SLURM=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0) $(PY) -m pytest -q -ra
+	CK_REQUIRE_SLURM=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0) $(PY) -m pytest -q -ra --durations=25
 
 bench: setup
 	$(PY) bench/run_all.py
