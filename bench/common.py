@@ -19,7 +19,7 @@ Both sides of every comparison are started as fresh processes and measured the s
   system CPU time of every rank process, sampled from /proc every 50 ms by :class:`CpuSampler`
   and interpolated at the end of the first (warm-up) window and the end of the last, divided by
   the samples trained in between. It shows extra work (Python, copies, extra collectives), not
-  time spent waiting; under heavy contention it still moves by about +-10% from run to run
+  time spent waiting; under heavy contention it still moves by +-15-20% from run to run
   (caches and memory bandwidth shared with other jobs).
 
 ``CK_BENCH_QUICK=1`` shrinks every benchmark to a smoke run (1 pair, few steps) for the tests.
