@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import socket
 import sys
 import time
@@ -38,7 +37,7 @@ from cyclone_kit.runtime.data import auto_workers, build_data
 from cyclone_kit.runtime.dist import cpus_per_task, init_process_group, probe_device, setup_threads, warn
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import TinyCNN, build_model
-from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
+from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue
 
 
 # --------------------------------------------------------------------------- the split
@@ -238,7 +237,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     Raises:
         ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
     """
-    from cyclone_kit.runtime.train import _gather_hosts, _seed_everything, _versions, lr_factor, make_plan
+    from cyclone_kit.runtime.train import _gather_hosts, _seed_everything, lr_factor, make_plan, start_record
 
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -297,17 +296,9 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
 
     writer = mx.MetricsWriter(run_dir / mx.METRICS_FILE if env.is_main else None)
     launcher = environ.get("CYCLONE_LAUNCHER") or env.launcher
-    writer.write(mx.record(
-        "start", run_id=run_dir.name, world_size=env.world_size, num_nodes=env.num_nodes,
-        local_world_size=env.local_world_size, per_device_batch_size=plan.per_device_batch,
-        global_batch_size=plan.global_batch, model=tc.model, dataset=tc.dataset, precision=precision,
-        strategy="pipeline", launcher=launcher, device=device.kind, device_name=device.name,
-        hostnames=hostnames, slurm_job_id=environ.get("SLURM_JOB_ID") if under_slurm(environ) else None,
-        time=mx.utc_now(), versions=_versions(),
-        git_commit=mx.git_commit(environ.get("SLURM_SUBMIT_DIR") or os.getcwd()) if env.is_main else None,
-        restart_count=env.restart_count, grad_accum=plan.grad_accum, lr=plan.lr, total_steps=plan.total_steps,
-        threads=threads, start_step=step, stages=env.world_size, microbatches=tc.microbatches,
-    ))
+    writer.write(start_record(run_dir, env, environ, plan, tc, precision=precision, strategy="pipeline",
+                              launcher=launcher, device=device, hostnames=hostnames, threads=threads, step=step,
+                              stages=env.world_size, microbatches=tc.microbatches))
     if env.is_main:
         print(f"cyclone_kit: {tc.model} on {tc.dataset}, pipeline of {env.world_size} stage(s) x "
               f"{tc.microbatches} micro-batches ({launcher}), {device.kind} {precision}, batch {plan.global_batch}, "

@@ -223,6 +223,23 @@ class _Window:
     data_s: float = 0.0
 
 
+def start_record(run_dir: Path, env: DistEnv, environ: Mapping[str, str], plan: Any, tc: Any, *, precision: str,
+                 strategy: str, launcher: str, device: Any, hostnames: list[str], threads: int, step: int,
+                 **extra: Any) -> dict[str, Any]:
+    """The metrics contract's ``start`` record of one run segment (shared by every engine)."""
+    return mx.record(
+        "start", run_id=run_dir.name, world_size=env.world_size, num_nodes=env.num_nodes,
+        local_world_size=env.local_world_size, per_device_batch_size=plan.per_device_batch,
+        global_batch_size=plan.global_batch, model=tc.model, dataset=tc.dataset, precision=precision,
+        strategy=strategy, launcher=launcher, device=device.kind, device_name=device.name,
+        hostnames=hostnames, slurm_job_id=environ.get("SLURM_JOB_ID") if under_slurm(environ) else None,
+        time=mx.utc_now(), versions=_versions(),
+        git_commit=mx.git_commit(environ.get("SLURM_SUBMIT_DIR") or os.getcwd()) if env.is_main else None,
+        restart_count=env.restart_count, grad_accum=plan.grad_accum, lr=plan.lr, total_steps=plan.total_steps,
+        threads=threads, start_step=step, **extra,
+    )
+
+
 def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
           stop_flag: StopFlag | None = None) -> str:
     """Train ``spec`` on this rank; returns the end status (``completed`` or ``preempted``).
@@ -300,18 +317,8 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
 
     writer = mx.MetricsWriter(run_dir / mx.METRICS_FILE if env.is_main else None)
     launcher = environ.get("CYCLONE_LAUNCHER") or env.launcher
-    writer.write(mx.record(
-        "start", run_id=run_dir.name, world_size=env.world_size, num_nodes=env.num_nodes,
-        local_world_size=env.local_world_size, per_device_batch_size=plan.per_device_batch,
-        global_batch_size=plan.global_batch, model=tc.model, dataset=tc.dataset, precision=precision,
-        strategy=tc.strategy, launcher=launcher, device=device.kind, device_name=device.name,
-        hostnames=hostnames, slurm_job_id=environ.get("SLURM_JOB_ID") if under_slurm(environ) else None,
-        time=mx.utc_now(),
-        versions=_versions(), git_commit=mx.git_commit(environ.get("SLURM_SUBMIT_DIR") or os.getcwd())
-        if env.is_main else None, restart_count=env.restart_count,
-        grad_accum=plan.grad_accum, lr=plan.lr, total_steps=plan.total_steps, threads=threads,
-        start_step=step,
-    ))
+    writer.write(start_record(run_dir, env, environ, plan, tc, precision=precision, strategy=tc.strategy,
+                              launcher=launcher, device=device, hostnames=hostnames, threads=threads, step=step))
     if env.is_main:
         print(f"cyclone_kit: {tc.model} on {tc.dataset}, world {env.world_size} ({env.num_nodes} node(s), "
               f"{launcher}), {device.kind} {precision}, global batch {plan.global_batch}, lr {plan.lr:g}, "
