@@ -289,18 +289,23 @@ def run_plain(work: Workload, nproc: int, tmp: Path, tag: str, *, torchrun: bool
         port = _free_port()
         procs: list[subprocess.Popen[str]] = []
         sampler = CpuSampler(lambda: [p.pid for p in procs])
-        sampler.__enter__()
-        for rank in range(nproc):
-            renv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            procs.append(subprocess.Popen([sys.executable, *script], env=renv, cwd=REPO, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                sampler.__exit__()
-                raise RuntimeError(f"plain_ddp.py exited {p.returncode}:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-        sampler.__exit__()
+        with sampler:
+            try:
+                for rank in range(nproc):
+                    renv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                    procs.append(subprocess.Popen([sys.executable, *script], env=renv, cwd=REPO,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                  start_new_session=True))
+                for p in procs:
+                    stdout, stderr = p.communicate(timeout=timeout)
+                    if p.returncode != 0:
+                        raise RuntimeError(f"plain_ddp.py exited {p.returncode}:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+            finally:
+                for p in procs:  # a failed or hung rank must not outlive the benchmark
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
     wall = time.time() - t0
     result = json.loads(out.read_text(encoding="utf-8"))
     side = "torchrun + plain script" if torchrun else "plain DDP loop"

@@ -79,6 +79,10 @@ def root_cause(run_dir: Path) -> str | None:
     """
     failure = _read_json(run_dir / "failure.json")
     if isinstance(failure, dict):
+        ranks = failure.get("ranks")
+        if failure.get("cause") == "interrupted" and isinstance(ranks, list) and ranks and all(
+                isinstance(r, dict) and r.get("exit_code") == 0 for r in ranks):
+            return None  # stopped on request and every rank checkpointed and exited cleanly
         if isinstance(failure.get("root_cause"), str):
             return failure["root_cause"]
         first = failure.get("first") if isinstance(failure.get("first"), dict) else failure

@@ -31,13 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu", action="store_true", help="hide every GPU from the ranks (CUDA_VISIBLE_DEVICES=''); "
                    "needed when --nproc is larger than the number of GPUs here")
     p.add_argument("--quiet", action="store_true", help="do not echo rank 0's output")
+    p.add_argument("--resume", metavar="RUN_DIR", help="run an existing run directory again (its spec.json); "
+                   "training resumes from its newest checkpoint")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
     from cyclone_kit.backends.local import FAILURE_FILE, format_failure, launch, local_job
-    from cyclone_kit.config import spec_from_dict, spec_to_dict
+    from cyclone_kit.config import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.errors import ValidationError
     from cyclone_kit.jobspec import spec_dict_from_args
     from cyclone_kit.rundir import create_run_dir, write_atomic
@@ -48,11 +50,20 @@ def run(args: argparse.Namespace) -> int:
             raise ValidationError(f"--{flag}={value} must be at least 1", hint=f"e.g. --{flag} 2")
     if args.timeout is not None and args.timeout <= 0:
         raise ValidationError(f"--timeout={args.timeout:g} must be positive", hint="e.g. --timeout 600")
-    spec = spec_from_dict(spec_dict_from_args(args))
-    job = local_job(spec, args.nproc, args.nodes, args.threads)
-
-    run_dir = create_run_dir(Path(args.runs_dir).absolute(), job.spec.name,
-                             {"spec.json": json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n"})
+    if args.resume:
+        run_dir = Path(args.resume).absolute()
+        if not (run_dir / "spec.json").is_file():
+            raise ValidationError(f"--resume {args.resume!r} is not a run directory (no spec.json)",
+                                  hint="give the run dir printed by the first `run`")
+        if args.spec or args.overrides:
+            raise ValidationError("--resume takes the run directory's own spec",
+                                  hint="drop SPEC and --set, or start a new run without --resume")
+        job = local_job(load_spec(run_dir / "spec.json"), args.nproc, args.nodes, args.threads)
+    else:
+        spec = spec_from_dict(spec_dict_from_args(args))
+        job = local_job(spec, args.nproc, args.nodes, args.threads)
+        run_dir = create_run_dir(Path(args.runs_dir).absolute(), job.spec.name,
+                                 {"spec.json": json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n"})
     print(f"run dir: {run_dir}")
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {run_dir / 'logs'}", flush=True)
@@ -62,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
     write_atomic(run_dir / "job_id", result.job_id + "\n")
     write_atomic(run_dir / "backend", "local\n")
     if result.ok:
-        print(f"completed in {result.wall_time_s:.1f} s; metrics: {run_dir / 'metrics.jsonl'}")
+        from cyclone_kit.runinfo import last_end_status
+
+        status = last_end_status(run_dir / "metrics.jsonl") or "ended"
+        hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""
+        print(f"{status} in {result.wall_time_s:.1f} s; metrics: {run_dir / 'metrics.jsonl'}{hint}")
         return 0
     if result.first_failure is None:
         sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {run_dir / FAILURE_FILE}\n")
