@@ -100,6 +100,8 @@ CASES: list[tuple[str, dict[str, str], list[str], dict[str, str]]] = [
     ("status-missing-run-dir", {}, ["status", "{d}/no-such-run"], {}),
     ("status-not-a-run-dir", {"x/readme": "x"}, ["status", "{d}/x"], {}),
     ("logs-unknown-job", {}, ["logs", "999999", "--runs-dir", "{d}"], {}),
+    ("run-resume-not-a-run-dir", {"x/readme": "x"}, ["run", "--resume", "{d}/x"], {}),
+    ("run-resume-with-set", {"r/spec.json": "{}"}, ["run", "--resume", "{d}/r", "--set", "lr=1"], {}),
     ("cancel-not-submitted", {"r/spec.json": "{}"}, ["cancel", "{d}/r"], {}),
     # ---- sweep specs (`sweep --dry-run`: plan only, so a pass would not write anything either)
     ("sweep-missing-file", {}, ["sweep", "{d}/nope.toml", "--dry-run"], {}),
