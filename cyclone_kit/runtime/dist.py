@@ -99,11 +99,20 @@ def cpu_name() -> str:
 
 
 def cpus_per_task(environ: Mapping[str, str]) -> int | None:
-    """Cores this rank may use: SLURM_CPUS_PER_TASK, else OMP_NUM_THREADS, else None (pure)."""
+    """Cores this rank may use: SLURM_CPUS_PER_TASK, else OMP_NUM_THREADS, else None (pure).
+
+    Under torchrun inside Slurm one task holds every worker of the node, so its
+    SLURM_CPUS_PER_TASK is shared by LOCAL_WORLD_SIZE processes (4 workers x 40 threads on 40
+    cores would oversubscribe the node 4x).
+    """
     for key in ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS"):
         raw = environ.get(key, "").strip()
         if raw.isdigit() and int(raw) > 0:
-            return int(raw)
+            n = int(raw)
+            local = environ.get("LOCAL_WORLD_SIZE", "").strip()
+            if key == "SLURM_CPUS_PER_TASK" and "TORCHELASTIC_RUN_ID" in environ and local.isdigit() and int(local) > 0:
+                n = max(1, n // int(local))
+            return n
     return None
 
 

@@ -266,3 +266,17 @@ def test_env_command_exits_2_with_one_line_on_a_forgotten_srun() -> None:
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "HINT:" in lines[0]
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    ({"SLURM_CPUS_PER_TASK": "10"}, 10),
+    ({"OMP_NUM_THREADS": "3"}, 3),
+    ({}, None),
+    ({"SLURM_CPUS_PER_TASK": "40", "TORCHELASTIC_RUN_ID": "7", "LOCAL_WORLD_SIZE": "4"}, 10),
+    ({"SLURM_CPUS_PER_TASK": "2", "TORCHELASTIC_RUN_ID": "7", "LOCAL_WORLD_SIZE": "4"}, 1),
+    ({"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "7", "LOCAL_WORLD_SIZE": "4"}, 1),
+])
+def test_cpus_per_task_shares_a_torchrun_task_between_its_workers(environ, expected):
+    from cyclone_kit.runtime.dist import cpus_per_task
+
+    assert cpus_per_task(environ) == expected
