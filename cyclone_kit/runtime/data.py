@@ -183,11 +183,19 @@ def batch_seed(seed: int, epoch: int, batch: int, rank: int) -> int:
     return (((seed * 1_000_003 + epoch) * 1_000_003 + batch) * 1_009 + rank) % (2**63 - 1)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small CPU tensor to ``device``; on CUDA from pinned memory, asynchronously."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def random_crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
     """Per-sample random crop (zero padding ``pad``) and horizontal flip of a (B, C, H, W) batch."""
     b, c, h, w = x.shape
-    offsets = torch.randint(0, 2 * pad + 1, (2, b), generator=generator).to(x.device)
-    flips = (torch.rand(b, generator=generator) < 0.5).to(x.device)
+    # Drawn on the CPU (a CPU generator keeps resume exact), then copied without a host sync.
+    offsets = _to_device(torch.randint(0, 2 * pad + 1, (2, b), generator=generator), x.device)
+    flips = _to_device(torch.rand(b, generator=generator) < 0.5, x.device)
     padded = F.pad(x, (pad, pad, pad, pad))
     rows = (offsets[0][:, None] + torch.arange(h, device=x.device))[:, None, :, None]
     cols = (offsets[1][:, None] + torch.arange(w, device=x.device))
