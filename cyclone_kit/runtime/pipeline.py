@@ -237,7 +237,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     Raises:
         ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
     """
-    from cyclone_kit.runtime.train import _gather_hosts, _seed_everything, lr_factor, make_plan, start_record
+    from cyclone_kit.runtime.train import _gather_hosts, _seed_everything, begin_segment, lr_factor, make_plan
 
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -287,18 +287,12 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
 
     state = _State(spec, run_dir, env, stage, optimizer, scheduler, plan, distributed)
     step = state.resume() if cc.resume else 0
-    if step >= plan.total_steps:
-        if env.is_main:
-            print(f"cyclone_kit: the newest checkpoint is at step {step} of {plan.total_steps}: nothing to do",
-                  flush=True)
-        stop_flag.uninstall()
-        return "completed"
-
-    writer = mx.MetricsWriter(run_dir / mx.METRICS_FILE if env.is_main else None)
     launcher = environ.get("CYCLONE_LAUNCHER") or env.launcher
-    writer.write(start_record(run_dir, env, environ, plan, tc, precision=precision, strategy="pipeline",
-                              launcher=launcher, device=device, hostnames=hostnames, threads=threads, step=step,
-                              stages=env.world_size, microbatches=tc.microbatches))
+    writer = begin_segment(run_dir, env, environ, plan, tc, stop_flag, precision=precision, strategy="pipeline",
+                           launcher=launcher, device=device, hostnames=hostnames, threads=threads, step=step,
+                           stages=env.world_size, microbatches=tc.microbatches)
+    if writer is None:
+        return "completed"
     if env.is_main:
         print(f"cyclone_kit: {tc.model} on {tc.dataset}, pipeline of {env.world_size} stage(s) x "
               f"{tc.microbatches} micro-batches ({launcher}), {device.kind} {precision}, batch {plan.global_batch}, "

@@ -240,6 +240,24 @@ def start_record(run_dir: Path, env: DistEnv, environ: Mapping[str, str], plan: 
     )
 
 
+def begin_segment(run_dir: Path, env: DistEnv, environ: Mapping[str, str], plan: Any, tc: Any, stop_flag: Any, *,
+                  step: int, **start: Any) -> mx.MetricsWriter | None:
+    """Open a run segment: its metrics writer with the ``start`` record written (rank 0 writes).
+
+    Returns None, after releasing the stop signal, when the newest checkpoint is already at the
+    last step (a requeued or resumed run that has nothing left to do).
+    """
+    if step >= plan.total_steps:
+        if env.is_main:
+            print(f"cyclone_kit: the newest checkpoint is at step {step} of {plan.total_steps}: nothing to do",
+                  flush=True)
+        stop_flag.uninstall()
+        return None
+    writer = mx.MetricsWriter(run_dir / mx.METRICS_FILE if env.is_main else None)
+    writer.write(start_record(run_dir, env, environ, plan, tc, step=step, **start))
+    return writer
+
+
 def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
           stop_flag: StopFlag | None = None) -> str:
     """Train ``spec`` on this rank; returns the end status (``completed`` or ``preempted``).
@@ -308,17 +326,11 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
                             sharded=tc.strategy == "fsdp" and distributed, folder=path.parent)
             if env.is_main:
                 print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
-    if step >= plan.total_steps:
-        if env.is_main:
-            print(f"cyclone_kit: the newest checkpoint is at step {step} of {plan.total_steps}: nothing to do",
-                  flush=True)
-        stop_flag.uninstall()
-        return "completed"
-
-    writer = mx.MetricsWriter(run_dir / mx.METRICS_FILE if env.is_main else None)
     launcher = environ.get("CYCLONE_LAUNCHER") or env.launcher
-    writer.write(start_record(run_dir, env, environ, plan, tc, precision=precision, strategy=tc.strategy,
-                              launcher=launcher, device=device, hostnames=hostnames, threads=threads, step=step))
+    writer = begin_segment(run_dir, env, environ, plan, tc, stop_flag, precision=precision, strategy=tc.strategy,
+                           launcher=launcher, device=device, hostnames=hostnames, threads=threads, step=step)
+    if writer is None:
+        return "completed"
     if env.is_main:
         print(f"cyclone_kit: {tc.model} on {tc.dataset}, world {env.world_size} ({env.num_nodes} node(s), "
               f"{launcher}), {device.kind} {precision}, global batch {plan.global_batch}, lr {plan.lr:g}, "
