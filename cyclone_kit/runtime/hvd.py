@@ -3,8 +3,21 @@
 The engine (:func:`cyclone_kit.runtime.train.train`) calls three hooks for this strategy:
 
 * :func:`horovod_env` first: ``hvd.init()`` and a :class:`DistEnv` from Horovod's own ranks
-  (``hvd.rank()``, ``hvd.size()``, ``hvd.local_rank()`` ...), whoever started the processes
-  (``srun`` with an MPI-built Horovod, ``horovodrun``/``mpirun``, or ``horovodrun --gloo``).
+  (``hvd.rank()``, ``hvd.size()``, ``hvd.local_rank()`` ...). Who gives Horovod its ranks:
+
+  - ``horovodrun`` (``HOROVOD_RANK`` & co. already set): Horovod's own launcher, nothing to do;
+  - an MPI-built Horovod (``hvd.mpi_built()``, e.g. Cyclone's EasyBuild module) started by
+    ``srun``/``mpirun``: MPI, through the MPI library's PMI support;
+  - any other launcher that cyclone_kit understands (``srun`` with a Gloo-only build, torchrun,
+    submitit, ``mpirun`` without Horovod MPI; or ``HOROVOD_CONTROLLER=gloo`` to prefer Gloo over
+    MPI): cyclone_kit does what ``horovodrun --gloo`` does, from inside the job. Rank 0 starts
+    Horovod's HTTP rendezvous server (:class:`horovod.runner.http.http_server.RendezvousServer`)
+    on a free port and publishes the port through a ``torch.distributed.TCPStore`` at
+    ``MASTER_ADDR:MASTER_PORT``; every rank sets Horovod's ``HOROVOD_RANK``/``SIZE``/
+    ``LOCAL_*``/``CROSS_*``/``GLOO_RENDEZVOUS_*`` variables from its :class:`DistEnv`
+    (:func:`gloo_slot_env`, pure) before ``hvd.init()``. No ssh and no second launcher: the
+    ranks stay srun's tasks (signals, ``--kill-on-bad-exit``, accounting).
+
   Rank 0 also picks a TCP address for the engine's small side channel (a gloo process group
   for loss averaging, the stop flag and checkpoint bookkeeping; gradients never use it) and
   broadcasts it with Horovod. The device comes from ``hvd.local_rank()``.
@@ -18,9 +31,10 @@ The learning rate is the engine's: scaled by the global batch, i.e. by ``hvd.siz
 batch x grad_accum under the linear rule, as in Horovod's examples (``lr * hvd.size()``).
 Checkpoints and metrics are the DDP ones (rank 0 writes).
 
-Launch: the sbatch template ``horovod.sbatch.j2`` runs ``srun python -m cyclone_kit.runtime``
-(ranks from MPI/PMI, for a Horovod built with MPI, e.g. ``module load Horovod/...``). With a
-Gloo-only build (``scripts/build-horovod.sh``) start the ranks with
+Launch: the sbatch template ``horovod.sbatch.j2`` runs ``srun python -m cyclone_kit.runtime``;
+ranks come from MPI/PMI with an MPI-built Horovod, else from the Gloo rendezvous above (so the
+Gloo-only build of ``scripts/build-horovod.sh`` runs on Slurm too). Outside Slurm, the local
+launcher (``cyclone-kit run --nproc N``) works the same way, and so does
 ``horovodrun --gloo -np 2 -H localhost:2 --network-interfaces lo python -m cyclone_kit.runtime --run-dir DIR``
 (:func:`horovodrun_command`).
 """
@@ -28,6 +42,8 @@ Gloo-only build (``scripts/build-horovod.sh``) start the ranks with
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -54,21 +70,108 @@ def import_horovod() -> Any:
     return hvd
 
 
-def horovod_env(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
+#: The TCPStore key under which rank 0 publishes the Gloo rendezvous port.
+RENDEZVOUS_KEY = "cyclone_kit/horovod_gloo_rendezvous_port"
+#: Objects that must live as long as the process: rank 0's rendezvous server and the TCPStore.
+_KEEP_ALIVE: list[Any] = []
+
+
+def uses_gloo_rendezvous(env: DistEnv, environ: Mapping[str, str], mpi_built: bool) -> bool:
+    """Whether cyclone_kit must run Horovod's Gloo rendezvous for this process (pure; module doc)."""
+    if env.world_size < 2 or "HOROVOD_RANK" in environ:
+        return False  # one process, or horovodrun already did it
+    return not mpi_built or environ.get("HOROVOD_CONTROLLER", "").lower() == "gloo"
+
+
+def gloo_slot_env(env: DistEnv, address: str, port: int) -> dict[str, str]:
+    """Horovod's per-rank variables for a Gloo rendezvous at ``address:port`` (pure).
+
+    The same variables ``horovodrun --gloo`` gives each slot: ranks and sizes from ``env``
+    (cross rank = node index, cross size = nodes), ``HOROVOD_HOSTNAME`` = the node's key in the
+    rendezvous scopes, Gloo as controller and CPU operations.
+
+    Raises:
+        ValidationError: the nodes run different numbers of ranks (Horovod's cross-node groups
+            need one rank per local rank on every node).
+    """
+    if env.local_world_size * env.num_nodes != env.world_size:
+        raise ValidationError(
+            f"train.strategy 'horovod': {env.world_size} ranks on {env.num_nodes} node(s) with {env.local_world_size} "
+            f"on this one: Horovod's Gloo rendezvous needs the same number of ranks on every node",
+            hint="request --ntasks-per-node (resources.ntasks_per_node) instead of a total task count",
+        )
+    return {
+        "HOROVOD_HOSTNAME": node_key(env, env.node_rank),
+        "HOROVOD_RANK": str(env.rank), "HOROVOD_SIZE": str(env.world_size),
+        "HOROVOD_LOCAL_RANK": str(env.local_rank), "HOROVOD_LOCAL_SIZE": str(env.local_world_size),
+        "HOROVOD_CROSS_RANK": str(env.node_rank), "HOROVOD_CROSS_SIZE": str(env.num_nodes),
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": address, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+    }
+
+
+def node_key(env: DistEnv, node_rank: int) -> str:
+    """The name of node ``node_rank`` in Horovod's rendezvous scopes: its host name when the
+    launcher listed every node, else ``node<k>`` (pure; the same on every rank)."""
+    if len(env.hostnames) == env.num_nodes:
+        return env.hostnames[node_rank]
+    return f"node{node_rank}"
+
+
+def rendezvous_plan(env: DistEnv) -> list[Any]:
+    """Horovod's ``SlotInfo`` for every rank of a homogeneous run (what rank 0's rendezvous
+    server needs to size its global, local and cross scopes)."""
+    from horovod.runner.common.util.hosts import SlotInfo
+
+    per = env.local_world_size
+    return [SlotInfo(hostname=node_key(env, n), rank=n * per + lr, local_rank=lr, cross_rank=n,
+                     size=env.world_size, local_size=per, cross_size=env.num_nodes)
+            for n in range(env.num_nodes) for lr in range(per)]
+
+
+def gloo_rendezvous(env: DistEnv, timeout_s: int) -> dict[str, str]:
+    """Meet the other ranks at ``MASTER_ADDR:MASTER_PORT`` and return this rank's Horovod
+    variables (rank 0 starts the Horovod rendezvous server first; see the module doc)."""
+    from horovod.runner.http.http_server import RendezvousServer
+    from torch.distributed import TCPStore
+
+    slots = gloo_slot_env(env, env.master_addr, 1)  # checks the layout before anyone waits
+    try:
+        store = TCPStore(env.master_addr, env.master_port, env.world_size, env.rank == 0,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as exc:
+        raise RuntimeError(f"Horovod Gloo rendezvous: no TCPStore at {env.master_addr}:{env.master_port} "
+                           f"within {timeout_s} s ({type(exc).__name__}: {exc})") from exc
+    _KEEP_ALIVE.append(store)
+    if env.rank == 0:
+        server = RendezvousServer()
+        port = server.start()
+        server.init(rendezvous_plan(env))
+        _KEEP_ALIVE.append(server)
+        store.set(RENDEZVOUS_KEY, str(port))
+    port = int(store.get(RENDEZVOUS_KEY).decode())
+    return {**slots, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port)}
+
+
+def horovod_env(env: DistEnv, environ: Mapping[str, str], timeout_s: int = 600) -> DistEnv:
     """Initialise Horovod and describe this process by Horovod's ranks (see the module doc).
 
-    ``env`` is what the launcher variables said (it may be a single-process view under
-    ``horovodrun --gloo``); its host names and job ids are kept.
+    ``env`` is what the launcher variables said (a single-process view under
+    ``horovodrun --gloo``); its host names and job ids are kept. ``timeout_s`` bounds the wait
+    for the other ranks at the Gloo rendezvous.
     """
     hvd = import_horovod()
+    launcher = "horovodrun" if "HOROVOD_RANK" in environ else env.launcher
+    if uses_gloo_rendezvous(env, environ, hvd.mpi_built()):
+        os.environ.update(gloo_rendezvous(env, timeout_s))  # Horovod reads them in hvd.init()
     hvd.init()
     size, local_size = hvd.size(), hvd.local_size()
     if env.world_size > 1 and size != env.world_size:
         raise ValidationError(
             f"train.strategy 'horovod': the {env.launcher} launcher started {env.world_size} processes, but Horovod "
-            f"sees {size} (each process alone): its ranks did not come from Horovod's launcher or MPI",
-            hint="start the ranks with horovodrun (horovodrun --gloo -np N -H host:N python -m cyclone_kit.runtime "
-                 "--run-dir DIR) or with srun and an MPI-built Horovod (templates/horovod.sbatch.j2)",
+            f"sees {size} (each process alone): this Horovod is built with MPI, but MPI did not start the ranks",
+            hint="start them with srun --mpi=pmix (or mpirun), or set HOROVOD_CONTROLLER=gloo to let cyclone_kit "
+                 "run Horovod's Gloo rendezvous",
         )
     address: list[Any] = [None]
     if hvd.rank() == 0:
@@ -77,7 +180,6 @@ def horovod_env(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
             s.bind(("", 0))
             address = [(host, int(s.getsockname()[1]))]
     host, port = hvd.broadcast_object(address[0], root_rank=0, name="cyclone_kit.side_channel")
-    launcher = "horovodrun" if "HOROVOD_RANK" in environ else env.launcher
     return dataclasses.replace(
         env, rank=hvd.rank(), local_rank=hvd.local_rank(), world_size=size, local_world_size=local_size,
         node_rank=hvd.cross_rank(), num_nodes=max(1, size // local_size), master_addr=host, master_port=port,

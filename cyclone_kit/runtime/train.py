@@ -278,7 +278,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     tc, cc = spec.train, spec.checkpoint
     stop_flag = stop_flag or StopFlag(cc.signal).install()
     if tc.strategy == "horovod":  # hvd.init(); ranks, local rank (device) and side channel from Horovod
-        env = _hvd().horovod_env(env, environ)
+        env = _hvd().horovod_env(env, environ, tc.pg_timeout_s)
     threads = setup_threads(environ)
     device = probe_device(env, environ)
     if device.warning and env.local_rank == 0:

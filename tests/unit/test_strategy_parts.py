@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cyclone_kit.errors import ValidationError
-from cyclone_kit.runtime.hvd import horovodrun_command, import_horovod
+from cyclone_kit.runtime.env import DistEnv
+from cyclone_kit.runtime.hvd import gloo_slot_env, horovodrun_command, import_horovod, node_key, uses_gloo_rendezvous
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.pipeline import split_model, split_points
 
@@ -64,3 +65,52 @@ def test_horovodrun_command_spreads_ranks_over_hosts() -> None:
     assert horovodrun_command("d", 2, python="py")[5:8] == ["localhost:2", "--network-interfaces", "lo"]
     with pytest.raises(ValidationError):
         horovodrun_command("d", 3, hosts=("a", "b"))
+
+
+def _env(rank: int, local_rank: int, node: int, hosts: tuple[str, ...] = ("c1", "c2"), per: int = 2) -> DistEnv:
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=per * 2, local_world_size=per, node_rank=node,
+                   num_nodes=2, master_addr="c1", master_port=15000, launcher="slurm", hostnames=hosts)
+
+
+def test_gloo_rendezvous_is_ours_only_when_neither_horovodrun_nor_mpi_gave_the_ranks() -> None:
+    two = _env(0, 0, 0)
+    assert uses_gloo_rendezvous(two, {}, mpi_built=False)
+    assert not uses_gloo_rendezvous(two, {"HOROVOD_RANK": "0"}, mpi_built=False)  # horovodrun did it
+    assert not uses_gloo_rendezvous(two, {}, mpi_built=True)  # MPI gives the ranks
+    assert uses_gloo_rendezvous(two, {"HOROVOD_CONTROLLER": "gloo"}, mpi_built=True)  # the user prefers Gloo
+    assert not uses_gloo_rendezvous(DistEnv(), {}, mpi_built=False)  # one process: nothing to meet
+
+
+def test_gloo_slot_env_is_what_horovodrun_gives_the_slot() -> None:
+    env = gloo_slot_env(_env(3, 1, 1), "c1", 4242)
+    assert env == {
+        "HOROVOD_HOSTNAME": "c2", "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4",
+        "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "c1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "4242",
+        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+    }
+    # Without a full host list the scope key is the node index, the same on every rank of a node.
+    assert node_key(_env(3, 1, 1, hosts=()), 1) == "node1"
+
+
+def test_gloo_rendezvous_refuses_uneven_ranks_per_node() -> None:
+    uneven = DistEnv(rank=0, local_rank=0, world_size=3, local_world_size=2, node_rank=0, num_nodes=2,
+                     launcher="slurm")
+    with pytest.raises(ValidationError, match="same number of ranks on every node") as info:
+        gloo_slot_env(uneven, "c1", 1)
+    assert "--ntasks-per-node" in info.value.hint
+
+
+def test_rendezvous_plan_sizes_horovods_scopes() -> None:
+    pytest.importorskip("horovod.runner.http.http_server", reason="Horovod not installed (scripts/build-horovod.sh)")
+    from horovod.runner.http.http_server import RendezvousHTTPServer
+
+    from cyclone_kit.runtime.hvd import rendezvous_plan
+
+    plan = rendezvous_plan(_env(0, 0, 0))
+    assert [(s.hostname, s.rank, s.local_rank, s.cross_rank) for s in plan] == [
+        ("c1", 0, 0, 0), ("c1", 1, 1, 0), ("c2", 2, 0, 1), ("c2", 3, 1, 1)]
+    server = RendezvousHTTPServer.__new__(RendezvousHTTPServer)  # only the scope arithmetic, no socket
+    server.scope_size = {}
+    server._extract_scope_size(plan)
+    assert server.scope_size == {"global": 4, "local_c1": 2, "local_c2": 2, "cross_0": 2, "cross_1": 2}
