@@ -221,7 +221,7 @@ class TrainConfig:
     val_every_epochs: int = 1
     val_samples: int = 0
     bucket_cap_mb: int = 25
-    static_graph: bool = False
+    static_graph: bool = True  # DDP's static graph where valid (runtime/train.py use_static_graph)
     num_workers: int = -1
     pg_timeout_s: int = 120
     microbatches: int = 4

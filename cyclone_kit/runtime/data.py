@@ -217,7 +217,7 @@ class FolderLoader:
         self.sampler, self.device, self.channels_last = sampler, device, channels_last
         self.loader = DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=cuda,
-            persistent_workers=cuda and workers > 0, drop_last=drop_last,
+            persistent_workers=workers > 0, drop_last=drop_last,
             prefetch_factor=4 if workers > 0 else None,
         )
 
@@ -445,10 +445,11 @@ def _imagefolder(train: TrainConfig, env: DistEnv, device: torch.device, workers
     return Data(loader, val, info)
 
 
-def auto_workers(requested: int, cpus: int | None, in_memory: bool) -> int:
-    """DataLoader workers: the spec's count when >= 0; else 0 for in-memory data, cpus-1 (max 8)."""
+def auto_workers(requested: int, cpus: int, in_memory: bool) -> int:
+    """DataLoader workers: the spec's count when >= 0; else 0 for in-memory data, else the rank's
+    cores minus the one the training loop runs on (at most 8; ``cpus`` from dist.worker_cpus)."""
     if requested >= 0:
         return requested
     if in_memory:
         return 0
-    return max(0, min(8, (cpus or 1) - 1))
+    return max(0, min(8, cpus - 1))

@@ -116,6 +116,18 @@ def cpus_per_task(environ: Mapping[str, str]) -> int | None:
     return None
 
 
+def worker_cpus(environ: Mapping[str, str], local_world_size: int, affinity: int | None = None) -> int:
+    """Cores this rank may feed DataLoader workers from: :func:`cpus_per_task` when the launcher
+    says, else this process's CPU affinity (``os.sched_getaffinity``; Slurm's cgroup/cpuset shows
+    there) shared by the ranks of the node. ``affinity`` overrides the probe (tests)."""
+    declared = cpus_per_task(environ)
+    if declared is not None:
+        return declared
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, affinity // max(1, local_world_size))
+
+
 def setup_threads(environ: Mapping[str, str]) -> int:
     """Set torch's intra-op threads from :func:`cpus_per_task`; returns the count in use."""
     import torch

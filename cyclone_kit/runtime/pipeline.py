@@ -34,7 +34,7 @@ from cyclone_kit.errors import ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import auto_workers, build_data
-from cyclone_kit.runtime.dist import cpus_per_task, init_process_group, probe_device, setup_threads, warn
+from cyclone_kit.runtime.dist import init_process_group, probe_device, setup_threads, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import TinyCNN, build_model
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue
@@ -263,7 +263,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     # No data parallelism: every stage reads the batches a world of one would read.
     solo = dataclasses.replace(env, rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
                                num_nodes=1)
-    workers = auto_workers(tc.num_workers, cpus_per_task(environ), tc.dataset != "imagefolder")
+    workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
     data = build_data(tc, solo, dev, workers=workers)
     plan = make_plan(tc, 1, data.train.sampler.full_length())
     precision = "bf16" if tc.precision == "bf16" or (tc.precision == "auto" and device.kind == "cuda"

@@ -37,7 +37,7 @@ from cyclone_kit.errors import CommandError, ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import Data, auto_workers, build_data
-from cyclone_kit.runtime.dist import DeviceChoice, cpus_per_task, init_process_group, probe_device, setup_threads, warn
+from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
@@ -117,6 +117,14 @@ def resolve_precision(requested: str, device_kind: str, bf16_supported: bool) ->
 
 
 # --------------------------------------------------------------------------- strategies
+def use_static_graph(train: TrainConfig) -> bool:
+    """Whether DDP gets ``static_graph=True`` (pure): when the spec allows it (the default) and
+    it is valid. The built-in models run the same graph every step, but DDP's static graph
+    breaks ``no_sync`` (gradient accumulation: an internal assert in the reducer, torch 2.14)
+    and is not combined with torch.compile's DDP optimizer here."""
+    return train.static_graph and train.grad_accum == 1 and not train.compile
+
+
 def _wrap_ddp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
     if not distributed:
         return model
@@ -127,7 +135,7 @@ def _wrap_ddp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distri
         device_ids=[device.index] if device.kind == "cuda" else None,
         gradient_as_bucket_view=True,
         bucket_cap_mb=train.bucket_cap_mb,
-        static_graph=train.static_graph,
+        static_graph=use_static_graph(train),
     )
 
 
@@ -296,7 +304,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     hostnames = _gather_hosts(host, distributed)
 
     channels_last = tc.channels_last and device.kind == "cuda"
-    workers = auto_workers(tc.num_workers, cpus_per_task(environ), tc.dataset != "imagefolder")
+    workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
     data = build_data(tc, env, dev, workers=workers, channels_last=channels_last)
     plan = make_plan(tc, env.world_size, data.train.sampler.full_length())
     precision = resolve_precision(tc.precision, device.kind,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cyclone_kit.runtime import checkpoint as ck
-from cyclone_kit.runtime.train import lr_factor, make_plan, resolve_precision, scaled_lr
+from cyclone_kit.runtime.train import lr_factor, make_plan, resolve_precision, scaled_lr, use_static_graph
 
 
 def _state(step: int) -> dict:
@@ -159,3 +159,12 @@ def test_single_process_needs_no_wrapper() -> None:
     model = TinyCNN()
     for strategy in ("ddp", "fsdp"):
         assert wrap_model(strategy, model, DeviceChoice("cpu", None, "cpu", "gloo"), TrainConfig(), False) is model
+
+
+def test_ddp_static_graph_by_default_but_never_with_accumulation_or_compile() -> None:
+    from cyclone_kit.config import TrainConfig
+
+    assert use_static_graph(TrainConfig())
+    assert not use_static_graph(TrainConfig(grad_accum=2))  # no_sync + static graph: reducer assert
+    assert not use_static_graph(TrainConfig(compile=True))
+    assert not use_static_graph(TrainConfig(static_graph=False))

@@ -13,7 +13,7 @@ import pytest
 
 from cyclone_kit.errors import ValidationError
 from cyclone_kit.render import PORT_BASE, PORT_SPAN
-from cyclone_kit.runtime.dist import choose_device, cpus_per_task
+from cyclone_kit.runtime.dist import choose_device, cpus_per_task, worker_cpus
 from cyclone_kit.runtime.env import DistEnv, default_port, detect
 
 # Recorded from a real Slurm 22.05 job (sbatch -N2 --ntasks-per-node=2; srun env) on the local
@@ -280,3 +280,11 @@ def test_cpus_per_task_shares_a_torchrun_task_between_its_workers(environ, expec
     from cyclone_kit.runtime.dist import cpus_per_task
 
     assert cpus_per_task(environ) == expected
+
+
+def test_worker_cpus_falls_back_to_the_affinity_shared_by_the_nodes_ranks() -> None:
+    """No --cpus-per-task declared: 40 cores of affinity and 4 ranks give each rank 10 (not 1)."""
+    assert worker_cpus({"SLURM_CPUS_PER_TASK": "10"}, 4, affinity=40) == 10  # declared wins
+    assert worker_cpus({}, 4, affinity=40) == 10
+    assert worker_cpus({}, 8, affinity=4) == 1  # never 0
+    assert worker_cpus({}, 1) >= 1  # the real probe

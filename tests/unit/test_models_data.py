@@ -90,6 +90,7 @@ def test_auto_workers() -> None:
     assert auto_workers(-1, 10, in_memory=False) == 8
     assert auto_workers(-1, 4, in_memory=False) == 3
     assert auto_workers(2, 10, in_memory=False) == 2
+    assert auto_workers(-1, 1, in_memory=False) == 0  # one core: the loop reads inline
 
 
 def test_random_crop_flip_is_seeded_and_keeps_shape() -> None:
