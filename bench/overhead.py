@@ -34,7 +34,7 @@ TARGET = 0.99
 def main(argv: list[str] | None = None) -> int:
     """Alternate A/B pairs, print both throughputs, the ratio and the verdict; exit 1 when missed."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=1 if quick() else 4)
+    p.add_argument("--pairs", type=int, default=1 if quick() else 6)
     p.add_argument("--model", default="tiny_cnn")
     p.add_argument("--batch", type=int, default=32 if quick() else 256)
     p.add_argument("--steps", type=int, default=4 if quick() else 40)

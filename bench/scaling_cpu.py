@@ -41,7 +41,7 @@ START_SLACK_S = 0.5
 def main(argv: list[str] | None = None) -> int:
     """Run the repeats, print efficiencies and start-up times with their verdicts; exit 1 when missed."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=1 if quick() else 2)
+    p.add_argument("--repeats", type=int, default=1 if quick() else 4)
     p.add_argument("--model", default="tiny_cnn")
     p.add_argument("--batch", type=int, default=32 if quick() else 256)
     p.add_argument("--steps", type=int, default=4 if quick() else 30)

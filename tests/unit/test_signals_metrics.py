@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -10,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.runtime import metrics as mx
-from cyclone_kit.runtime.signals import NONE, REQUEUE, STOP, StopAgreement, StopFlag, should_requeue, under_slurm
+from cyclone_kit.runtime.signals import (
+    NONE,
+    REQUEUE,
+    STOP,
+    StopAgreement,
+    StopFlag,
+    propose_interval,
+    should_requeue,
+    under_slurm,
+)
 
 
 def test_requeue_signal_and_sigterm_set_the_flag_and_never_raise() -> None:
@@ -85,3 +95,57 @@ def test_rank_summary_and_error_record(tmp_path: Path) -> None:
         q = mx.write_error_record(tmp_path, 3, "gpu01", e, "Traceback ...")
     rec = json.loads(q.read_text())
     assert q.name == "error-rank-00003.json" and (rec["type"], rec["message"], rec["rank"]) == ("RuntimeError", "boom", 3)
+
+
+def test_propose_interval_spaces_polls_by_wall_time_within_bounds() -> None:
+    assert propose_interval(None, 1, 10.0, 0.5, 1, 1000) == 1  # nothing measured yet
+    assert propose_interval((1, 10.0), 11, 10.1, 0.5, 1, 1000) == 50  # 10 ms steps: 50 steps per 0.5 s
+    assert propose_interval((1, 10.0), 2, 12.0, 0.5, 1, 1000) == 1  # 2 s steps: every step
+    assert propose_interval((1, 10.0), 11, 10.00001, 0.5, 1, 1000) == 1000  # capped
+    assert propose_interval((1, 10.0), 11, 10.1, 0.0, 3, 1000) == 3  # no target: the fixed interval
+
+
+_AGREE = """
+import sys, time, torch.distributed as dist
+from cyclone_kit.runtime.signals import NONE, REQUEUE, StopAgreement, StopFlag
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+flag = StopFlag("USR2")
+agreement = StopAgreement(flag, distributed=True, interval_s=0.05)
+polls, agreed, step = [], NONE, 0
+while agreed == NONE and step < 2000:
+    step += 1
+    time.sleep(0.002 if rank == 0 else 0.004)  # different step times: different proposals
+    if rank == 1 and step == 40:
+        flag.request(REQUEUE)
+    before = agreement.next_poll
+    agreed = agreement.poll(step)
+    if agreement.next_poll != before:
+        polls.append(step)
+agreement.finish()
+print(step, agreed, polls)
+dist.destroy_process_group()
+"""
+
+
+def test_stop_agreement_two_ranks_poll_at_the_same_steps_and_stop_together(tmp_path: Path) -> None:
+    """Two real gloo ranks with different step times: the same poll steps, the same stop step."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = tmp_path / "agree.py"
+    script.write_text(_AGREE)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "init")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = [out.strip().splitlines()[-1] for out, _ in outs]
+    assert results[0] == results[1], results  # same stop step, same flag, same poll steps
+    step, agreed, polls = results[0].split(" ", 2)
+    assert int(agreed) == REQUEUE and 40 < int(step) < 200, results[0]
+    steps = json.loads(polls)
+    gaps = [b - a for a, b in itertools.pairwise(steps)]
+    assert max(gaps) > 1, f"polls were not spaced out: {polls}"
