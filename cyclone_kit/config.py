@@ -293,6 +293,7 @@ class CheckpointConfig:
     signal: str = "USR2"
     signal_lead_s: int = 120
     sharded: bool = False
+    poll_s: float = 0.5  # seconds between the ranks' stop-flag agreements (0: after every step)
 
     def __post_init__(self) -> None:
         _non_negative("checkpoint.every_steps", self.every_steps)
@@ -300,6 +301,11 @@ class CheckpointConfig:
         _non_negative("checkpoint.max_requeues", self.max_requeues)
         _choice("checkpoint.signal", self.signal, SIGNALS)
         _positive("checkpoint.signal_lead_s", self.signal_lead_s)
+        if not 0 <= self.poll_s <= 60:
+            raise ValidationError(
+                f"checkpoint.poll_s={self.poll_s} is outside 0-60 s (a stop is acted on within about twice this)",
+                hint="keep the default 0.5, or 0 to agree after every step",
+            )
         if self.signal_lead_s > 65535:
             raise ValidationError(
                 f"checkpoint.signal_lead_s={self.signal_lead_s} exceeds Slurm's limit of 65535 s",

@@ -37,7 +37,7 @@ from cyclone_kit.runtime.data import auto_workers, build_data
 from cyclone_kit.runtime.dist import init_process_group, probe_device, setup_threads, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import TinyCNN, build_model
-from cyclone_kit.runtime.signals import NONE, STOP_POLL_S, StopAgreement, StopFlag, requeue, should_requeue
+from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue
 
 
 # --------------------------------------------------------------------------- the split
@@ -299,7 +299,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
               f"lr {plan.lr:g}, steps {step}->{plan.total_steps}", flush=True)
 
     criterion = nn.CrossEntropyLoss()
-    agreement = StopAgreement(stop_flag, distributed, interval_s=STOP_POLL_S)
+    agreement = StopAgreement(stop_flag, distributed, interval_s=spec.checkpoint.poll_s)
     rates: list[float] = []
     epoch = step // plan.steps_per_epoch
     status = "failed"

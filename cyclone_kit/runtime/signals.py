@@ -8,7 +8,7 @@
   rank launches an asynchronous MAX all-reduce of its flag on a separate gloo group and reads
   the result of the previous one. The reduce overlaps with the following steps' compute, costs no
   device sync, and all ranks act on the same reduced value at the same step. Polls are spaced
-  about ``interval_s`` apart (0.5 s in the engines): each rank proposes a step count from its own
+  about ``interval_s`` apart (``checkpoint.poll_s``, 0.5 s by default): each rank proposes a step count from its own
   step time and the reduce carries the proposals too, so every rank learns the same next poll
   step. (Polling after every step cost 1.5 ms a step on 2 busy CPU cores: 25% of a tiny step,
   ~1% of a 130 ms one; bench/RESULTS.md.)
@@ -28,9 +28,6 @@ from typing import Any
 
 #: Flag values, ordered so that the MAX reduce lets a requeue request win over a plain stop.
 NONE, STOP, REQUEUE = 0, 1, 2
-#: Seconds between the engines' stop-flag polls: a stop or requeue request is acted on within
-#: about twice this (plus a step), far inside the requeue signal's lead time.
-STOP_POLL_S = 0.5
 
 
 def signal_number(name: str) -> int:

@@ -40,7 +40,7 @@ from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.signals import NONE, STOP_POLL_S, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
+from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
 
 
 # --------------------------------------------------------------------------- pure schedule maths
@@ -410,7 +410,7 @@ class _Loop:
         """Train from ``start_step`` to the plan's end or an agreed stop; returns the status."""
         plan, tc, cc, env = self.plan, self.tc, self.cc, self.env
         self.step = step = start_step
-        agreement = StopAgreement(self.stop_flag, self.distributed, interval_s=STOP_POLL_S)
+        agreement = StopAgreement(self.stop_flag, self.distributed, interval_s=cc.poll_s)
         epoch = step // plan.steps_per_epoch
         self._start_epoch(epoch, step)
         batches = iter(self.data.train)

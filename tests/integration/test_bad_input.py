@@ -76,6 +76,7 @@ CASES: list[tuple[str, dict[str, str], list[str], dict[str, str]]] = [
     ("spec-bad-name", {"s.toml": "name = 'my job'\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
     ("spec-name-not-string", {"s.toml": "name = 3\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
     ("spec-huge-signal-lead", {"s.toml": "[checkpoint]\nsignal_lead_s = 100000\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
+    ("spec-negative-poll", {"s.toml": "[checkpoint]\npoll_s = -1\n"}, ["submit", "{d}/s.toml", "--dry-run"], {}),
     # ---- profiles
     ("profile-missing-file", {}, ["submit", "--profile", "{d}/nope.toml", "--dry-run"], {}),
     ("profile-malformed", {"p.toml": "[partitions.gpu\n"}, ["submit", "--profile", "{d}/p.toml", "--dry-run"], {}),

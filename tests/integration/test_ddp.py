@@ -36,10 +36,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_spec(run_dir: Path, **train: Any) -> Path:
-    """jobs/smoke.toml with ``train`` overrides, resolved to run_dir/spec.json."""
+def write_spec(run_dir: Path, checkpoint: dict[str, Any] | None = None, **train: Any) -> Path:
+    """jobs/smoke.toml with ``train`` (and ``checkpoint``) overrides, resolved to run_dir/spec.json."""
     data = read_toml(SMOKE)
     data["train"] = {**data["train"], **train}
+    data["checkpoint"] = {**data.get("checkpoint", {}), **(checkpoint or {})}
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "spec.json"
     path.write_text(json.dumps(spec_to_dict(spec_from_dict(data))))
@@ -268,7 +269,8 @@ def test_fsdp_run_signalled_on_one_rank_resumes_on_the_one_rank_trajectory(
     checkpoint resumes exactly."""
     reference = [r["loss"] for r in records(pair_runs["one"], "step")]
     run = tmp_path / "fsdp"
-    write_spec(run, strategy="fsdp", batch_size=32, log_every=1, synthetic_samples=640)
+    # Agree after every step: the run is 30 steps of ~20 ms, shorter than two default polls (0.5 s).
+    write_spec(run, checkpoint={"poll_s": 0}, strategy="fsdp", batch_size=32, log_every=1, synthetic_samples=640)
     procs = start_ranks(run, 2)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT_S
