@@ -22,11 +22,18 @@ Both sides of every comparison are started as fresh processes and measured the s
   time spent waiting; under heavy contention it still moves by +-15-20% from run to run
   (caches and memory bandwidth shared with other jobs).
 
+* **allocator**: every process of both sides runs with the same ``GLIBC_TUNABLES`` (the value
+  cyclone_kit gives its ranks, cyclone_kit/malloc.py). With glibc's defaults each step
+  page-faulted ~19,000 pages back in (TinyCNN, batch 256), which cost ~30% of the step and moved
+  identical runs by +-10%: comparing a tuned side with an untuned one would measure glibc, not
+  the runtime.
+
 ``CK_BENCH_QUICK=1`` shrinks every benchmark to a smoke run (1 pair, few steps) for the tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -45,6 +52,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PLAIN = REPO / "bench" / "plain_ddp.py"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from cyclone_kit.malloc import GLIBC_TUNABLES  # noqa: E402  (the repo is put on the path just above)
 
 
 def quick() -> bool:
@@ -77,6 +88,7 @@ def bench_env(threads: int = 1) -> dict[str, str]:
     """The environment of every benchmark child: fixed threads, repo on the path, no GPUs."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": "",
+                "GLIBC_TUNABLES": GLIBC_TUNABLES,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))})
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -338,3 +350,103 @@ def verdict(met: bool) -> str:
 def emit_json(figures: dict[str, Any]) -> None:
     """Print the machine-readable result line run_all.py collects (``BENCH_JSON {...}``)."""
     print("BENCH_JSON " + json.dumps(figures), flush=True)
+
+
+# --------------------------------------------------------------------------- interleaved A/B
+@dataclass
+class Interleaved:
+    """One interleaved A/B pair: each side's throughput over the time it was running."""
+
+    ours: float
+    plain: float
+    windows: int
+    slices: int
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc children lists)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children(p))
+    return out
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _active_time(slices: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Seconds of the running ``slices`` that fall inside [t0, t1]."""
+    return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in slices)
+
+
+def run_interleaved(work: Workload, tmp: Path, tag: str, slice_s: float = 0.5, timeout: float = 600) -> Interleaved:
+    """Run the cyclone_kit launcher (2 ranks) and the plain loop (2 ranks) at once, but never at the
+    same time: every ``slice_s`` one side is frozen with SIGSTOP and the other thawed with SIGCONT.
+
+    Each side's throughput is the samples of its steady-state windows divided by the time it was
+    running inside them, so both see the same minutes of the machine, sliced finely: slow drifts
+    of a shared host (identical runs here differ by 10-20% minutes apart) hit both alike, which
+    separate runs in sequence cannot promise.
+    """
+    import signal as sg
+
+    spec = tmp / f"{tag}.toml"
+    spec.write_text(work.spec_toml(tag), encoding="utf-8")
+    runs = tmp / f"runs-{tag}"
+    out = tmp / f"{tag}.json"
+    env = bench_env()
+    port = _free_port()
+    ours = subprocess.Popen([sys.executable, "-m", "cyclone_kit", "run", str(spec), "--nproc", "2", "--threads", "1",
+                             "--runs-dir", str(runs), "--quiet", "--cpu"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    plain = [subprocess.Popen([sys.executable, str(PLAIN), *work.plain_args(), "--out", str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+               for r in range(2)]
+    sides = {"ours": lambda: _tree(ours.pid), "plain": lambda: [p.pid for p in plain]}
+    done = {"ours": lambda: ours.poll() is not None, "plain": lambda: all(p.poll() is not None for p in plain)}
+    running: dict[str, list[tuple[float, float]]] = {"ours": [], "plain": []}
+    deadline = time.monotonic() + timeout
+    _signal_all(sides["plain"](), sg.SIGSTOP)
+    current, began = "ours", time.time()
+    try:
+        while not (done["ours"]() and done["plain"]()) and time.monotonic() < deadline:
+            time.sleep(slice_s)
+            other = "plain" if current == "ours" else "ours"
+            if done[other]():
+                continue  # the other side has finished: keep running this one
+            if current == "ours":
+                _signal_all([ours.pid], sg.SIGSTOP)  # the launcher first: no new rank while its tree is listed
+            _signal_all(sides[current](), sg.SIGSTOP)
+            now = time.time()
+            running[current].append((began, now))
+            _signal_all(sides[other](), sg.SIGCONT)
+            current, began = other, time.time()
+        running[current].append((began, time.time()))
+    finally:
+        for pids in (sides["ours"](), sides["plain"]()):
+            _signal_all(pids, sg.SIGCONT)
+        for p in (ours, *plain):
+            if p.poll() is None and time.monotonic() >= deadline:
+                p.kill()
+            stdout, stderr = p.communicate()
+            if p.returncode != 0:
+                raise RuntimeError(f"interleaved run {tag}: a process exited {p.returncode}:\n{stdout[-1500:]}\n"
+                                   f"{stderr[-2500:]}")
+    run_dir = next(runs.iterdir())
+    a0, a1, a_n = steady_bounds_runtime(run_dir) or (0.0, 0.0, 0)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    result = json.loads(out.read_text(encoding="utf-8"))
+    ends = result["window_end_unix"]
+    b0, b1 = ends[0], ends[-1]
+    b_n = (result["steps"] - work.log_every) * work.batch * 2
+    t_a, t_b = _active_time(running["ours"], a0, a1), _active_time(running["plain"], b0, b1)
+    if not (a_n and t_a > 0 and t_b > 0):
+        raise RuntimeError(f"interleaved run {tag}: no steady-state window to measure")
+    return Interleaved(a_n / t_a, b_n / t_b, len(ends) - 1, len(running["ours"]) + len(running["plain"]))

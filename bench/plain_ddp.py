@@ -121,13 +121,14 @@ def main(argv: list[str] | None = None) -> int:
               "batch": args.batch, "threads": torch.get_num_threads(), "device": str(dev), "bf16": args.bf16,
               "channels_last": args.channels_last, "compile": args.compile, "ddp": use_ddp,
               "backend": dist.get_backend() if use_ddp else None}
-    if use_ddp:
-        dist.destroy_process_group()
     if rank == 0:
         line = json.dumps(result)
         print(line, flush=True)
         if args.out:
             args.out.write_text(line + "\n", encoding="utf-8")
+    if use_ddp:
+        dist.barrier()  # nobody tears gloo down while a peer still talks to it (seen: "terminate called ...")
+        dist.destroy_process_group()
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from cyclone_kit import __version__
 from cyclone_kit.errors import ValidationError
+from cyclone_kit.malloc import GLIBC_TUNABLES
 from cyclone_kit.validate import ResolvedJob
 
 #: MASTER_PORT = PORT_BASE + job id % PORT_SPAN: below Linux's ephemeral range (32768+).
@@ -128,6 +129,7 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "run_dir": run_dir,
         "log_dir": f"{run_dir}/logs",
         "port_base": PORT_BASE,
+        "glibc_tunables": GLIBC_TUNABLES,
         "port_span": PORT_SPAN,
     }
 

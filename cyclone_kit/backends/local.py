@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cyclone_kit.errors import RankFailure, ValidationError
+from cyclone_kit.malloc import malloc_environment
 from cyclone_kit.rundir import write_atomic
 
 #: Variables of an enclosing launcher that must not leak into the ranks (they would win detection).
@@ -120,6 +121,7 @@ def rank_environments(
     tpn = tasks_per_node_string(per_node, nodes)
     common = {
         **clean_environment(base or {}),
+        **malloc_environment(base or {}),
         "SLURM_JOB_ID": job_id,
         "SLURM_JOBID": job_id,
         "SLURM_JOB_NAME": job_name,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cyclone_kit.errors import RankFailure, SlurmError, ValidationError
+from cyclone_kit.malloc import GLIBC_TUNABLES
 from cyclone_kit.rundir import write_atomic
 
 EXECUTORS = ("auto", "slurm", "local")
@@ -71,6 +72,7 @@ def slurm_parameters(job: Any, run_dir: Path | str) -> dict[str, Any]:
     setup += [
         f"export CYCLONE_RUN_DIR={shlex.quote(str(run_dir))}",
         f"export OMP_NUM_THREADS={int(job.cpus_per_task)}",
+        f'export GLIBC_TUNABLES="${{GLIBC_TUNABLES-{GLIBC_TUNABLES}}}"',
         f"export SUBMITIT_PREEMPT_SIGNAL={shlex.quote(ck.signal)}",
     ]
     extra: dict[str, Any] = {"signal": f"{ck.signal}@{ck.signal_lead_s}"}
