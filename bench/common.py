@@ -355,10 +355,13 @@ def emit_json(figures: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- interleaved A/B
 @dataclass
 class Interleaved:
-    """One interleaved A/B pair: each side's throughput over the time it was running."""
+    """One interleaved A/B pair: each side's throughput over the time it was running, and its
+    process start to first step counted in running time too."""
 
     ours: float
-    plain: float
+    other: float
+    ours_start_s: float
+    other_start_s: float
     windows: int
     slices: int
 
@@ -384,14 +387,21 @@ def _active_time(slices: list[tuple[float, float]], t0: float, t1: float) -> flo
     return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in slices)
 
 
-def run_interleaved(work: Workload, tmp: Path, tag: str, slice_s: float = 0.5, timeout: float = 600) -> Interleaved:
-    """Run the cyclone_kit launcher (2 ranks) and the plain loop (2 ranks) at once, but never at the
-    same time: every ``slice_s`` one side is frozen with SIGSTOP and the other thawed with SIGCONT.
+def _popen(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
-    Each side's throughput is the samples of its steady-state windows divided by the time it was
-    running inside them, so both see the same minutes of the machine, sliced finely: slow drifts
-    of a shared host (identical runs here differ by 10-20% minutes apart) hit both alike, which
-    separate runs in sequence cannot promise.
+
+def run_interleaved(work: Workload, tmp: Path, tag: str, *, nproc: int = 2, other: str = "plain",
+                    slice_s: float = 0.5, timeout: float = 600) -> Interleaved:
+    """Run the cyclone_kit launcher and a reference with ``nproc`` ranks each at once, but never at
+    the same time: every ``slice_s`` one side is frozen with SIGSTOP and the other thawed with SIGCONT.
+
+    ``other`` is ``"plain"`` (bench/plain_ddp.py ranks started here) or ``"torchrun"`` (the same
+    script under ``torchrun --standalone``). Each side's throughput is the samples of its
+    steady-state windows divided by the time it was running inside them, so both see the same
+    minutes of the machine, sliced finely: slow drifts of a shared host (identical runs here differ
+    by up to 10% minutes apart) hit both alike, which separate runs in sequence cannot promise.
     """
     import signal as sg
 
@@ -400,53 +410,68 @@ def run_interleaved(work: Workload, tmp: Path, tag: str, slice_s: float = 0.5, t
     runs = tmp / f"runs-{tag}"
     out = tmp / f"{tag}.json"
     env = bench_env()
-    port = _free_port()
-    ours = subprocess.Popen([sys.executable, "-m", "cyclone_kit", "run", str(spec), "--nproc", "2", "--threads", "1",
-                             "--runs-dir", str(runs), "--quiet", "--cpu"], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    plain = [subprocess.Popen([sys.executable, str(PLAIN), *work.plain_args(), "--out", str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-               for r in range(2)]
-    sides = {"ours": lambda: _tree(ours.pid), "plain": lambda: [p.pid for p in plain]}
-    done = {"ours": lambda: ours.poll() is not None, "plain": lambda: all(p.poll() is not None for p in plain)}
-    running: dict[str, list[tuple[float, float]]] = {"ours": [], "plain": []}
+    script = [str(PLAIN), *work.plain_args(), "--out", str(out)]
+    launched = {"ours": time.time()}
+    ours = _popen([sys.executable, "-m", "cyclone_kit", "run", str(spec), "--nproc", str(nproc), "--threads", "1",
+                   "--runs-dir", str(runs), "--quiet", "--cpu"], env)
+    launched["other"] = time.time()
+    if other == "torchrun":
+        refs = [_popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        *script], env)]
+    elif nproc == 1:
+        refs = [_popen([sys.executable, *script], env)]
+    else:
+        port = _free_port()
+        refs = [_popen([sys.executable, *script], {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                for r in range(nproc)]
+    procs = {"ours": [ours], "other": refs}
+
+    def pids(side: str) -> list[int]:
+        return [pid for p in procs[side] for pid in _tree(p.pid)]
+
+    def done(side: str) -> bool:
+        return all(p.poll() is not None for p in procs[side])
+
+    _signal_all([p.pid for p in refs], sg.SIGSTOP)  # the roots first: no new child while the tree is listed
+    _signal_all(pids("other"), sg.SIGSTOP)
+    running: dict[str, list[tuple[float, float]]] = {"ours": [], "other": [(launched["other"], time.time())]}
     deadline = time.monotonic() + timeout
-    _signal_all(sides["plain"](), sg.SIGSTOP)
-    current, began = "ours", time.time()
+    current, began = "ours", launched["ours"]
     try:
-        while not (done["ours"]() and done["plain"]()) and time.monotonic() < deadline:
+        while not (done("ours") and done("other")) and time.monotonic() < deadline:
             time.sleep(slice_s)
-            other = "plain" if current == "ours" else "ours"
-            if done[other]():
+            nxt = "other" if current == "ours" else "ours"
+            if done(nxt):
                 continue  # the other side has finished: keep running this one
-            if current == "ours":
-                _signal_all([ours.pid], sg.SIGSTOP)  # the launcher first: no new rank while its tree is listed
-            _signal_all(sides[current](), sg.SIGSTOP)
-            now = time.time()
-            running[current].append((began, now))
-            _signal_all(sides[other](), sg.SIGCONT)
-            current, began = other, time.time()
+            _signal_all([p.pid for p in procs[current]], sg.SIGSTOP)
+            _signal_all(pids(current), sg.SIGSTOP)
+            running[current].append((began, time.time()))
+            _signal_all(pids(nxt), sg.SIGCONT)
+            current, began = nxt, time.time()
         running[current].append((began, time.time()))
     finally:
-        for pids in (sides["ours"](), sides["plain"]()):
-            _signal_all(pids, sg.SIGCONT)
-        for p in (ours, *plain):
+        for side in procs:
+            _signal_all(pids(side), sg.SIGCONT)
+        for p in procs["ours"] + procs["other"]:
             if p.poll() is None and time.monotonic() >= deadline:
-                p.kill()
+                _signal_all(_tree(p.pid), sg.SIGKILL)
             stdout, stderr = p.communicate()
             if p.returncode != 0:
                 raise RuntimeError(f"interleaved run {tag}: a process exited {p.returncode}:\n{stdout[-1500:]}\n"
                                    f"{stderr[-2500:]}")
     run_dir = next(runs.iterdir())
     a0, a1, a_n = steady_bounds_runtime(run_dir) or (0.0, 0.0, 0)
+    _, a_loop, _ = read_runtime_metrics(run_dir)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     result = json.loads(out.read_text(encoding="utf-8"))
     ends = result["window_end_unix"]
     b0, b1 = ends[0], ends[-1]
-    b_n = (result["steps"] - work.log_every) * work.batch * 2
-    t_a, t_b = _active_time(running["ours"], a0, a1), _active_time(running["plain"], b0, b1)
+    b_n = (result["steps"] - work.log_every) * work.batch * nproc
+    t_a, t_b = _active_time(running["ours"], a0, a1), _active_time(running["other"], b0, b1)
     if not (a_n and t_a > 0 and t_b > 0):
         raise RuntimeError(f"interleaved run {tag}: no steady-state window to measure")
-    return Interleaved(a_n / t_a, b_n / t_b, len(ends) - 1, len(running["ours"]) + len(running["plain"]))
+    return Interleaved(a_n / t_a, b_n / t_b,
+                       _active_time(running["ours"], launched["ours"], a_loop),
+                       _active_time(running["other"], launched["other"], result["loop_start_unix"]),
+                       len(ends) - 1, len(running["ours"]) + len(running["other"]))

@@ -2,15 +2,18 @@
 
 Ours: ``python -m cyclone_kit run SPEC --nproc {1,2} --threads 1`` (the local launcher and the
 runtime). Reference: ``torchrun --standalone --nproc-per-node {1,2} bench/plain_ddp.py`` (a plain
-DDP script). Same workload and measurement on both sides (see bench/common.py); the runs of a
-repeat go ours-1, ours-2, torchrun-1, torchrun-2 and the next repeat in reverse order.
+DDP script). Same workload and measurement on both sides (see bench/common.py). A repeat runs
+two interleaved pairs, ours-1 with torchrun-1 and ours-2 with torchrun-2: both sides of a pair
+are started at once and take turns every 0.5 s (SIGSTOP/SIGCONT), so the host's slow drifts,
+which moved sequential runs by up to 10%, hit both alike (``run_interleaved``).
 
 Figures:
 * efficiency = samples/s(2 ranks) / (2 x samples/s(1 rank)), per repeat, median.
   Target: ours >= torchrun's (within nothing: the medians are compared as they are).
 * process start to first step, 2 ranks: from starting the command to the first training step
-  starting on rank 0. Target: ours <= the torchrun + plain script figure + 0.5 s. Also printed,
-  for information: the plain script started directly as one ``python`` process (no launcher).
+  starting on rank 0, counting only the time the side was running. Target: ours <= the torchrun +
+  plain script figure + 0.5 s. Also printed, for information: the plain script started directly
+  as one ``python`` process (no launcher, run alone).
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
-    RunResult,
+    Interleaved,
     Workload,
     emit_json,
     load,
     machine_line,
     median,
     quick,
-    run_ours,
+    run_interleaved,
     run_plain,
     verdict,
 )
@@ -53,33 +56,25 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.repeats} repeat(s)")
     print(f"machine: {machine_line()}")
     eff: dict[str, list[float]] = {"ours": [], "torchrun": []}
-    cpu_eff: dict[str, list[float]] = {"ours": [], "torchrun": []}
     start: dict[str, list[float]] = {"ours": [], "torchrun": [], "python": [], "ours1": []}
     with tempfile.TemporaryDirectory(prefix="ck-bench-scaling-") as tmp:
         tmpd = Path(tmp)
         for i in range(args.repeats):
-            jobs = [("ours", 1), ("ours", 2), ("torchrun", 1), ("torchrun", 2)]
+            got: dict[int, Interleaved] = {}
+            for n in ((1, 2) if i % 2 == 0 else (2, 1)):
+                r = run_interleaved(work, tmpd, f"sc{n}-{i}", nproc=n, other="torchrun")
+                got[n] = r
+                print(f"  repeat {i + 1}, {n} rank(s): cyclone_kit {r.ours:8.1f} samples/s, start->first step "
+                      f"{r.ours_start_s:5.2f} s | torchrun + plain script {r.other:8.1f} samples/s, start->first step "
+                      f"{r.other_start_s:5.2f} s  load {load()}", flush=True)
+            eff["ours"].append(got[2].ours / (2 * got[1].ours))
+            eff["torchrun"].append(got[2].other / (2 * got[1].other))
+            start["ours"].append(got[2].ours_start_s)
+            start["torchrun"].append(got[2].other_start_s)
+            start["ours1"].append(got[1].ours_start_s)
             if not quick():  # the informational direct start; left out of the smoke runs to save time
-                jobs.append(("python", 1))
-            if i % 2:
-                jobs.reverse()
-            got: dict[tuple[str, int], RunResult] = {}
-            for side, n in jobs:
-                tag = f"sc-{side}{n}-{i}"
-                r = (run_ours(work, n, tmpd, tag) if side == "ours"
-                     else run_plain(work, n, tmpd, tag, torchrun=side == "torchrun"))
-                got[(side, n)] = r
-                print(f"  repeat {i + 1} {r.side:<24} {n} rank(s): {r.samples_per_s:8.1f} samples/s  "
-                      f"start->first step {r.start_to_first_step_s:5.2f} s  wall {r.wall_s:5.1f} s  load {r.load}")
-            for side in ("ours", "torchrun"):
-                eff[side].append(got[(side, 2)].samples_per_s / (2 * got[(side, 1)].samples_per_s))
-                one, two = got[(side, 1)].cpu_ms_per_sample, got[(side, 2)].cpu_ms_per_sample
-                if one and two:
-                    cpu_eff[side].append(one / two)
-                start[side].append(got[(side, 2)].start_to_first_step_s)
-            start["ours1"].append(got[("ours", 1)].start_to_first_step_s)
-            if ("python", 1) in got:
-                start["python"].append(got[("python", 1)].start_to_first_step_s)
+                direct = run_plain(work, 1, tmpd, f"sc-python-{i}", torchrun=False)
+                start["python"].append(direct.start_to_first_step_s)
 
     e_ours, e_tr = median(eff["ours"]), median(eff["torchrun"])
     s_ours, s_tr = median(start["ours"]), median(start["torchrun"])
@@ -89,11 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"efficiency 2 ranks vs 1 (cyclone_kit): {e_ours:.3f}  (per repeat: {', '.join(f'{x:.3f}' for x in eff['ours'])})")
     print(f"efficiency 2 ranks vs 1 (torchrun):    {e_tr:.3f}  (per repeat: {', '.join(f'{x:.3f}' for x in eff['torchrun'])})")
     print(f"  target: ours >= torchrun's  ratio {e_ours / e_tr:.3f}  {verdict(eff_met)}")
-    c_ours = median(cpu_eff["ours"]) if cpu_eff["ours"] else None
-    c_tr = median(cpu_eff["torchrun"]) if cpu_eff["torchrun"] else None
-    if c_ours is not None and c_tr is not None:
-        print(f"  cross-check, CPU efficiency (CPU time per sample, 1 rank / 2 ranks; less moved by other load than wall time): "
-              f"cyclone_kit {c_ours:.3f}, torchrun {c_tr:.3f}")
     print(f"start -> first step, 2 ranks: cyclone_kit {s_ours:.2f} s, torchrun + plain script {s_tr:.2f} s "
           f"(difference {s_ours - s_tr:+.2f} s)")
     print(f"  target: ours <= torchrun's + {START_SLACK_S} s  {verdict(start_met)}")
@@ -102,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  for information, 1 process: plain script started directly with python {s_py:.2f} s, "
               f"cyclone_kit 1 rank through the launcher {s_ours1:.2f} s ({s_ours1 - s_py:+.2f} s)")
     emit_json({"bench": "scaling_cpu", "efficiency_ours": e_ours, "efficiency_torchrun": e_tr,
-               "efficiency_met": eff_met, "cpu_efficiency_ours": c_ours, "cpu_efficiency_torchrun": c_tr,
+               "efficiency_met": eff_met, "efficiencies_ours": eff["ours"], "efficiencies_torchrun": eff["torchrun"],
                "start_ours_s": s_ours, "start_torchrun_s": s_tr, "start_python_s": s_py,
                "start_ours_1rank_s": median(start["ours1"]),
                "start_met": start_met, "start_slack_s": START_SLACK_S, "load": load(),
