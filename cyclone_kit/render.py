@@ -23,7 +23,8 @@ from cyclone_kit.errors import ValidationError
 from cyclone_kit.malloc import GLIBC_TUNABLES
 from cyclone_kit.validate import ResolvedJob
 
-#: MASTER_PORT = PORT_BASE + job id % PORT_SPAN: below Linux's ephemeral range (32768+).
+#: MASTER_PORT: PORT_BASE + job id % PORT_SPAN when free on the batch host, else the next free one in the range
+#: (cyclone_kit/ports.py); the range stays below Linux's ephemeral ports (32768+).
 PORT_BASE = 15000
 PORT_SPAN = 16000
 _SAFE_HEADER = re.compile(r"^[A-Za-z0-9_./:@%+,=-]+$")

@@ -59,7 +59,7 @@ def test_cyclone_4_node_script_has_everything():
                  "#SBATCH --job-name=demo", f"#SBATCH --output={RUN_DIR}/logs/%x-%j.out",
                  f"#SBATCH --error={RUN_DIR}/logs/%x-%j.err", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
                  "module load CUDA/12.1.1", 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
-                 "export MASTER_ADDR", "export MASTER_PORT=", "srun --kill-on-bad-exit=1"]:
+                 "export MASTER_ADDR", "-m cyclone_kit.ports 15000 16000", "export MASTER_PORT", "srun --kill-on-bad-exit=1"]:
         assert line in text, line
     assert "--account" not in text.replace("--account=<project>", "").replace("--account to", "")
 
