@@ -14,13 +14,9 @@ Both sides of every comparison are started as fresh processes and measured the s
   to the wall-clock time the first training step starts (the runtime: first step record's ``time``
   minus its window's ``step_time_s x steps``, i.e. the window start taken just before the loop;
   the plain script: ``loop_start_unix``).
-
-* **CPU cost per sample** (a cross-check, less moved by other load than wall time): the user +
-  system CPU time of every rank process, sampled from /proc every 50 ms by :class:`CpuSampler`
-  and interpolated at the end of the first (warm-up) window and the end of the last, divided by
-  the samples trained in between. It shows extra work (Python, copies, extra collectives), not
-  time spent waiting; under heavy contention it still moves by +-15-20% from run to run
-  (caches and memory bandwidth shared with other jobs).
+* **interleaving** (:func:`run_interleaved`): both sides of a pair start at once and take turns
+  every 0.5 s (SIGSTOP/SIGCONT of each side's process tree); throughput and start-up count only
+  the time a side was running, so slow drifts of a shared host hit both alike.
 
 * **allocator**: every process of both sides runs with the same ``GLIBC_TUNABLES`` (the value
   cyclone_kit gives its ranks, cyclone_kit/malloc.py). With glibc's defaults each step
@@ -35,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import json
 import os
 import platform
@@ -43,10 +38,8 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,76 +133,8 @@ requeue = false
                 "--log-every", str(self.log_every), "--image-size", str(self.image_size)]
 
 
-@dataclass
-class RunResult:
-    """One measured run."""
-
-    side: str
-    nproc: int
-    samples_per_s: float
-    start_to_first_step_s: float
-    wall_s: float
-    load: str = field(default_factory=load)
-    windows: list[float] = field(default_factory=list)
-    cpu_ms_per_sample: float | None = None
-
-    @property
-    def best_window(self) -> float:
-        """The fastest window after the first: the least disturbed by other load (a cross-check)."""
-        steady = self.windows[1:] if len(self.windows) > 1 else self.windows
-        return max(steady) if steady else self.samples_per_s
-
-
 def _utc_to_unix(text: str) -> float:
     return datetime.datetime.fromisoformat(text).timestamp()
-
-
-class CpuSampler:
-    """Samples the CPU time (user + system, all threads) of a changing set of processes every 50 ms."""
-
-    def __init__(self, pids: Callable[[], list[int]], interval: float = 0.05) -> None:
-        self.pids, self.interval = pids, interval
-        self.samples: dict[int, list[tuple[float, float]]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._tick = os.sysconf("SC_CLK_TCK")
-
-    def __enter__(self) -> CpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for pid in self.pids():
-                try:
-                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                except (OSError, IndexError):
-                    continue
-                cpu = (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
-                self.samples.setdefault(pid, []).append((time.time(), cpu))
-            self._stop.wait(self.interval)
-
-    def cpu_between(self, t0: float, t1: float) -> float | None:
-        """CPU seconds all sampled processes used between wall-clock times t0 and t1 (interpolated)."""
-        total = 0.0
-        found = False
-        for series in self.samples.values():
-            a, b = _interp(series, t0), _interp(series, t1)
-            if a is not None and b is not None:
-                total += b - a
-                found = True
-        return total if found else None
-
-
-def _interp(series: list[tuple[float, float]], t: float) -> float | None:
-    for (ta, ca), (tb, cb) in itertools.pairwise(series):
-        if ta <= t <= tb:
-            return ca if tb == ta else ca + (cb - ca) * (t - ta) / (tb - ta)
-    return None
 
 
 def children(pid: int) -> list[int]:
@@ -244,89 +169,15 @@ def steady_bounds_runtime(run_dir: Path) -> tuple[float, float, int] | None:
     return _utc_to_unix(steps[0]["time"]), _utc_to_unix(steps[-1]["time"]), n
 
 
-def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: Path,
-         sampler: CpuSampler | None = None) -> subprocess.CompletedProcess[str]:
-    with subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
-        if sampler is not None:
-            sampler.pids = lambda: children(p.pid)
-            with sampler:
-                stdout, stderr = p.communicate(timeout=timeout)
-        else:
-            stdout, stderr = p.communicate(timeout=timeout)
-    proc = subprocess.CompletedProcess(argv, p.returncode, stdout, stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def run_ours(work: Workload, nproc: int, tmp: Path, tag: str, timeout: float = 600) -> RunResult:
-    """The cyclone_kit local launcher: ``python -m cyclone_kit run SPEC --nproc N --threads 1``."""
-    spec = tmp / f"{tag}.toml"
-    spec.write_text(work.spec_toml(tag), encoding="utf-8")
-    runs = tmp / "runs"
-    argv = [sys.executable, "-m", "cyclone_kit", "run", str(spec), "--nproc", str(nproc), "--threads", "1",
-            "--runs-dir", str(runs), "--quiet", "--cpu"]
-    sampler = CpuSampler(list)
-    t0 = time.time()
-    proc = _run(argv, bench_env(), timeout, REPO, sampler)
-    wall = time.time() - t0
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("run dir: ")), None)
-    if line is None:
-        raise RuntimeError(f"no 'run dir:' line in the launcher's output:\n{proc.stdout[-2000:]}")
-    run_dir = Path(line.split(": ", 1)[1].strip())
-    rate, loop_start, windows = read_runtime_metrics(run_dir)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    return RunResult("cyclone_kit", nproc, rate, loop_start - t0, wall, windows=windows,
-                     cpu_ms_per_sample=_cpu_ms(sampler, steady_bounds_runtime(run_dir)))
-
-
-def _cpu_ms(sampler: CpuSampler, bounds: tuple[float, float, int] | None) -> float | None:
-    if bounds is None or bounds[2] <= 0:
-        return None
-    cpu = sampler.cpu_between(bounds[0], bounds[1])
-    return None if cpu is None else 1000 * cpu / bounds[2]
-
-
-def run_plain(work: Workload, nproc: int, tmp: Path, tag: str, *, torchrun: bool, timeout: float = 600) -> RunResult:
-    """bench/plain_ddp.py with ``nproc`` ranks: under ``torchrun``, or as processes started here."""
+def plain_start_s(work: Workload, tmp: Path, tag: str, timeout: float = 600) -> float:
+    """Process start to first step of bench/plain_ddp.py run alone as one ``python`` process (seconds)."""
     out = tmp / f"{tag}.json"
-    env = bench_env()
-    script = [str(PLAIN), *work.plain_args(), "--out", str(out)]
     t0 = time.time()
-    sampler = CpuSampler(list)
-    if torchrun:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script]
-        _run(argv, env, timeout, REPO, sampler)  # samples torchrun's children: the ranks
-    else:
-        port = _free_port()
-        procs: list[subprocess.Popen[str]] = []
-        sampler = CpuSampler(lambda: [p.pid for p in procs])
-        with sampler:
-            try:
-                for rank in range(nproc):
-                    renv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-                    procs.append(subprocess.Popen([sys.executable, *script], env=renv, cwd=REPO,
-                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                                  start_new_session=True))
-                for p in procs:
-                    stdout, stderr = p.communicate(timeout=timeout)
-                    if p.returncode != 0:
-                        raise RuntimeError(f"plain_ddp.py exited {p.returncode}:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-            finally:
-                for p in procs:  # a failed or hung rank must not outlive the benchmark
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
-    wall = time.time() - t0
-    result = json.loads(out.read_text(encoding="utf-8"))
-    side = "torchrun + plain script" if torchrun else "plain DDP loop"
-    ends = result.get("window_end_unix", [])
-    cpu = None
-    if len(ends) >= 2:
-        cpu = _cpu_ms(sampler, (ends[0], ends[-1], (result["steps"] - work.log_every) * work.batch * nproc))
-    return RunResult(side, nproc, float(result["samples_per_s"]), result["loop_start_unix"] - t0, wall,
-                     windows=result["window_rates"], cpu_ms_per_sample=cpu)
+    proc = subprocess.run([sys.executable, str(PLAIN), *work.plain_args(), "--out", str(out)], env=bench_env(),
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"plain_ddp.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text(encoding="utf-8"))["loop_start_unix"] - t0
 
 
 def _free_port() -> int:

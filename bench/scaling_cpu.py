@@ -32,9 +32,9 @@ from common import (
     load,
     machine_line,
     median,
+    plain_start_s,
     quick,
     run_interleaved,
-    run_plain,
     verdict,
 )
 
@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             start["torchrun"].append(got[2].other_start_s)
             start["ours1"].append(got[1].ours_start_s)
             if not quick():  # the informational direct start; left out of the smoke runs to save time
-                direct = run_plain(work, 1, tmpd, f"sc-python-{i}", torchrun=False)
-                start["python"].append(direct.start_to_first_step_s)
+                start["python"].append(plain_start_s(work, tmpd, f"sc-python-{i}"))
 
     e_ours, e_tr = median(eff["ours"]), median(eff["torchrun"])
     s_ours, s_tr = median(start["ours"]), median(start["torchrun"])
