@@ -1,7 +1,8 @@
 """Checkpoints: written atomically, the last K kept, the newest loadable one resumed.
 
 A checkpoint is one ``torch.save`` file ``RUN_DIR/checkpoints/ckpt-<step:09d>.pt`` holding
-model, optimizer, grad scaler and LR scheduler state, the epoch/step/sampler position and the
+model, optimizer, grad scaler and LR scheduler state (the built-in engine; a user script's dict from
+``ck.save_checkpoint`` is kept whole under ``user_state``), the epoch/step/sampler position and the
 RNG states of every rank (torch, CUDA, numpy, python). It is written to a temporary file in the
 same directory, fsync'ed and renamed into place (then the directory is fsync'ed), so a kill
 at any moment leaves either the old set or the new set of complete files. Loading uses
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 FORMAT = 1
+#: The key under which a checkpoint written through the public API (``ck.save_checkpoint``) holds the script's dict.
+USER_STATE = "user_state"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
 
@@ -79,7 +82,8 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load one checkpoint (weights_only); raises on a corrupt or foreign file."""
     state = torch.load(path, map_location=map_location, weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state or "step" not in state:
+    if (not isinstance(state, dict) or state.get("format") != FORMAT or "step" not in state
+            or ("model" not in state and USER_STATE not in state)):
         raise ValueError(f"{path} is not a cyclone_kit checkpoint")
     return state
 

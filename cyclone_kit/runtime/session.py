@@ -1,0 +1,321 @@
+"""One run segment on this rank: the set-up, metrics, stop, checkpoint and requeue path every trainer shares.
+
+The public API (:mod:`cyclone_kit.api`, for user scripts) and the built-in engines
+(:mod:`cyclone_kit.runtime.train`, :mod:`cyclone_kit.runtime.pipeline`) all go through a
+:class:`Session`, so there is one implementation of each of these:
+
+* **set-up** (:func:`open_session`): the stop-signal handlers, torch threads, the device
+  (``cuda:local_rank`` or the CPU), the process group (NCCL on CUDA, gloo on CPU; a group that
+  already exists is reused and left alone), every rank's host name, and the stop agreement's
+  side group;
+* **metrics** (:meth:`Session.begin`, :meth:`Session.log_window`, :meth:`Session.write`): the
+  contract's records (:mod:`cyclone_kit.runtime.metrics`), written by rank 0;
+* **stop** (:meth:`Session.poll`): the requeue/time-limit signal, agreed across ranks at the
+  same step (:class:`~cyclone_kit.runtime.signals.StopAgreement`);
+* **checkpoints** (:meth:`Session.save`, :meth:`Session.load_latest`): atomic files kept and
+  rotated as ``checkpoint.keep`` says; the newest loadable one chosen by rank 0 and loaded by
+  every rank;
+* **end** (:meth:`Session.end`): the ``end`` record, the rank summary, ``scontrol requeue``
+  when the agreed stop was the requeue signal, and (:meth:`Session.close`) the teardown.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cyclone_kit.config import CheckpointConfig
+from cyclone_kit.errors import CommandError, ValidationError
+from cyclone_kit.runtime import metrics as mx
+from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, warn
+from cyclone_kit.runtime.env import DistEnv
+from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
+
+#: The checkpoint folder inside a run directory.
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclass
+class Session:
+    """The shared state of one run segment on this rank (built by :func:`open_session`).
+
+    Attributes:
+        env: where this rank sits (rank, sizes, launcher, restart count).
+        environ: the process environment the session was opened with.
+        run_dir: the run directory (metrics, checkpoints, rank records).
+        cc: the spec's ``[checkpoint]`` table (keep, signal, requeue, max_requeues, poll_s).
+        stop_flag: this rank's installed signal handlers.
+        device: the device this rank trains on.
+        distributed: more than one rank (collectives are needed).
+        owns_group: the session created the process group (and destroys it in :meth:`close`).
+        threads: torch's intra-op threads.
+        host: this rank's node name.
+        hostnames: every rank's node, deduplicated in rank order.
+        t_start: ``time.perf_counter()`` at the start of the segment.
+    """
+
+    env: DistEnv
+    environ: Mapping[str, str]
+    run_dir: Path
+    cc: CheckpointConfig
+    stop_flag: StopFlag
+    device: DeviceChoice
+    distributed: bool
+    owns_group: bool
+    threads: int
+    host: str
+    hostnames: list[str]
+    t_start: float
+    agreement: Any = None
+    writer: mx.MetricsWriter | None = None
+    global_rates: list[float] = field(default_factory=list)
+    local_rates: list[float] = field(default_factory=list)
+    agreed: int = NONE
+    ended: bool = False
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``RUN_DIR/checkpoints``."""
+        return self.run_dir / CHECKPOINT_DIR
+
+    @property
+    def launcher(self) -> str:
+        """The launcher for the start record (``local`` for cyclone-kit run, else the detected one)."""
+        return self.environ.get("CYCLONE_LAUNCHER") or self.env.launcher
+
+    # ------------------------------------------------------------------ metrics
+    def start_fields(self) -> dict[str, Any]:
+        """The ``start`` record's fields this session knows (the trainer adds the rest)."""
+        env, environ = self.env, self.environ
+        return dict(
+            run_id=self.run_dir.name, world_size=env.world_size, num_nodes=env.num_nodes,
+            local_world_size=env.local_world_size, launcher=self.launcher, device=self.device.kind,
+            device_name=self.device.name, hostnames=self.hostnames,
+            slurm_job_id=environ.get("SLURM_JOB_ID") if under_slurm(environ) else None,
+            time=mx.utc_now(), versions=versions(),
+            git_commit=mx.git_commit(environ.get("SLURM_SUBMIT_DIR") or os.getcwd()) if env.is_main else None,
+            restart_count=env.restart_count, threads=self.threads,
+        )
+
+    def begin(self, **fields: Any) -> mx.MetricsWriter:
+        """Open the metrics file (rank 0) and write the ``start`` record: :meth:`start_fields`
+        updated with ``fields`` (model, batch sizes, start_step, ...)."""
+        self.writer = mx.MetricsWriter(self.run_dir / mx.METRICS_FILE if self.env.is_main else None)
+        self.writer.write(mx.record("start", **{**self.start_fields(), **fields}))
+        return self.writer
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """Write one record (rank 0; a no-op elsewhere and before :meth:`begin`)."""
+        if self.writer is not None:
+            self.writer.write(rec)
+
+    def log_window(self, step: int, epoch: int | None, loss: float | None, steps: int, elapsed_s: float,
+                   data_s: float, global_samples: float, local_samples: float) -> float:
+        """Record a window of ``steps`` steps ending at ``step``: a ``step`` record (rank 0) and
+        the window's rates (for the end record's steady state); returns the global samples/s."""
+        elapsed_s = max(elapsed_s, 1e-9)
+        n = max(steps, 1)
+        rate = global_samples / elapsed_s
+        self.global_rates.append(rate)
+        self.local_rates.append(local_samples / elapsed_s)
+        self.write(mx.step_record(step, epoch, loss, elapsed_s / n, data_s / n, rate, mx.utc_now()))
+        return rate
+
+    # ------------------------------------------------------------------ stop
+    def poll(self, step: int) -> int:
+        """The stop flag agreed by every rank after ``step`` (NONE, STOP or REQUEUE); call on every
+        rank with the same ``step`` sequence. Once a stop is agreed it stays agreed."""
+        if self.agreed == NONE:
+            self.agreed = self.agreement.poll(step)
+            if self.agreed != NONE:
+                self.agreement.finish()
+        return self.agreed
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, state: dict[str, Any] | None, step: int) -> Path | None:
+        """Rank 0 writes ``state`` as the checkpoint of ``step`` (atomic; the newest
+        ``checkpoint.keep`` kept); every rank then waits for it. Call on every rank."""
+        from cyclone_kit.runtime import checkpoint as ckpt
+
+        path = None
+        if self.env.is_main and state is not None:
+            path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
+        self.barrier()
+        return path
+
+    def load_latest(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
+        """The newest loadable checkpoint of the run, chosen by rank 0 and loaded by every rank
+        (so all resume from the same step); None when there is none. Call on every rank."""
+        from cyclone_kit.runtime import checkpoint as ckpt
+
+        if not self.distributed:
+            return ckpt.load_latest(self.checkpoint_dir, map_location)
+        import torch.distributed as dist
+
+        found = ckpt.load_latest(self.checkpoint_dir, map_location) if self.env.is_main else None
+        choice: list[Any] = [str(found[1]) if found else None]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        if found is not None:
+            return found
+        path = Path(choice[0])
+        return ckpt.load_checkpoint(path, map_location), path
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op for one rank)."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # ------------------------------------------------------------------ end
+    def end(self, status: str, steps: int, total_steps: int | None = None, peak_memory_bytes: int | None = None,
+            wall_time_s: float | None = None) -> None:
+        """Close the segment: the ``end`` record (rank 0), this rank's summary, the closing line,
+        the signal handlers restored, and ``scontrol requeue`` (rank 0) when the agreed stop was
+        the requeue signal under Slurm and requeues are left."""
+        if self.ended:
+            return
+        self.ended = True
+        wall = time.perf_counter() - self.t_start if wall_time_s is None else wall_time_s
+        rate = mx.steady_state(self.global_rates)
+        self.write(mx.end_record(status, steps, rate, wall, mx.utc_now()))
+        if self.writer is not None:
+            self.writer.close()
+        self.stop_flag.uninstall()
+        if status == "failed":
+            return
+        mx.write_rank_summary(self.run_dir, self.env.rank, self.host, self.device.torch_device,
+                              mx.steady_state(self.local_rates), peak_memory_bytes
+                              if peak_memory_bytes is not None else peak_memory(self.device))
+        if self.env.is_main:
+            of = f"/{total_steps}" if total_steps is not None else ""
+            print(f"cyclone_kit: {status} at step {steps}{of} in {wall:.1f} s"
+                  + (f", {rate:.1f} samples/s" if rate else ""), flush=True)
+        if self.agreed != NONE and self.env.is_main:
+            yes, why = should_requeue(self.agreed, self.cc.requeue, self.env.restart_count, self.cc.max_requeues,
+                                      self.environ)
+            print(f"cyclone_kit: stopped on a signal after a checkpoint; {why}", flush=True)
+            if yes:
+                try:
+                    requeue(self.environ)
+                except (CommandError, ValidationError) as e:
+                    warn(f"requeue failed: {e}")
+
+    def close(self) -> None:
+        """Tear down: wait for an outstanding stop reduce, then (when the session created it) a
+        barrier and the process group destroyed (a gloo group left alive at exit can abort)."""
+        if self.agreement is not None:
+            self.agreement.finish()
+        if self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+            self.owns_group = False
+
+
+def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: CheckpointConfig, *,
+                 pg_timeout_s: int = 1800, stop_flag: StopFlag | None = None, group_for_one: bool = False,
+                 t_start: float | None = None) -> Session:
+    """Set up this rank: signal handlers, threads, device, process group, hosts, stop agreement.
+
+    Args:
+        env: this rank's place (:func:`cyclone_kit.runtime.env.detect`).
+        environ: the environment (``os.environ`` at the edge).
+        run_dir: the run directory.
+        cc: the ``[checkpoint]`` table.
+        pg_timeout_s: process-group timeout (a dead peer fails the others after this long).
+        stop_flag: handlers installed earlier (to catch a signal during slow imports); else new ones.
+        group_for_one: create a process group for a world of one too (a user script may wrap
+            its model in DDP unconditionally; the built-in engine does not need one).
+        t_start: when the segment started (default: now).
+    """
+    t_start = time.perf_counter() if t_start is None else t_start
+    stop_flag = stop_flag or StopFlag(cc.signal).install()
+    threads = setup_threads(environ)
+    device = probe_device(env, environ)
+    if device.warning and env.local_rank == 0:
+        warn(device.warning)
+    owns = False
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # the script (or Horovod, Lightning ...) made one
+        if dist.get_world_size() != env.world_size:
+            raise ValidationError(
+                f"a process group of {dist.get_world_size()} rank(s) exists but the launcher says "
+                f"{env.world_size}",
+                hint="let cyclone_kit create the process group (call ck.init() before init_process_group)",
+            )
+    elif env.is_distributed:
+        owns = init_process_group(env, device, pg_timeout_s)
+    else:
+        init_process_group(env, device, pg_timeout_s)  # selects the CUDA device
+        if group_for_one:
+            _group_of_one(device, pg_timeout_s)
+            owns = True
+    host = env.host or socket.gethostname()
+    session = Session(env=env, environ=environ, run_dir=Path(run_dir), cc=cc, stop_flag=stop_flag, device=device,
+                      distributed=env.is_distributed, owns_group=owns, threads=threads, host=host,
+                      hostnames=gather_hosts(host, env.is_distributed), t_start=t_start)
+    session.agreement = StopAgreement(stop_flag, env.is_distributed, interval_s=cc.poll_s)
+    return session
+
+
+def _group_of_one(device: DeviceChoice, timeout_s: int) -> None:
+    """A process group of one rank on an in-memory store (no port, no rendezvous)."""
+    import torch
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if device.kind == "cuda":
+        kwargs["device_id"] = torch.device(device.torch_device)
+    dist.init_process_group(backend=device.backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def gather_hosts(host: str, distributed: bool) -> list[str]:
+    """Every rank's host, deduplicated in rank order (rank 0's node first)."""
+    hosts: list[Any] = [host]
+    if distributed:
+        import torch.distributed as dist
+
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, host)
+    return list(dict.fromkeys(str(h) for h in hosts))
+
+
+def versions() -> dict[str, str | None]:
+    """Versions for the start record; torchvision's from its metadata (importing it costs ~0.3-1 s)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from cyclone_kit import __version__
+
+    tv_module = sys.modules.get("torchvision")
+    try:
+        tv: str | None = tv_module.__version__ if tv_module is not None else version("torchvision")
+    except PackageNotFoundError:
+        tv = None
+    return {"torch": torch.__version__, "torchvision": tv, "cyclone_kit": __version__}
+
+
+def peak_memory(device: DeviceChoice) -> int:
+    """Peak memory of this rank: CUDA's max allocated on a GPU, the process's max RSS on the CPU."""
+    if device.kind == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device.torch_device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
