@@ -393,6 +393,11 @@ def _install_hook() -> None:
         sys.excepthook = _excepthook
 
 
+def _stderr() -> Any:
+    """The real stderr: torch.distributed's own excepthook runs ours with sys.stderr swapped for a buffer."""
+    return sys.__stderr__ or sys.stderr
+
+
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     run = _run
     if run is not None:
@@ -405,11 +410,12 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType
             write_error_record(run.ctx.run_dir, run.ctx.rank, run.session.host, exc,
                                "".join(traceback.format_exception(kind, exc, tb)))
         except Exception as e:  # the record is a courtesy: never hide the real error
-            sys.stderr.write(f"cyclone_kit: could not write the failure records: {e}\n")
+            _stderr().write(f"cyclone_kit: could not write the failure records: {e}\n")
     if isinstance(exc, CycloneError):
         rank = f"[rank {run.ctx.rank}] " if run is not None and run.ctx.world_size > 1 else ""
-        sys.stderr.write(f"error: {rank}{exc}\n")
-        sys.stderr.flush()
+        out = _stderr()
+        out.write(f"error: {rank}{exc}\n")
+        out.flush()
         sys.stdout.flush()
         os._exit(exc.exit_code)  # no teardown that could wait on a peer
     (_previous_hook or sys.__excepthook__)(kind, exc, tb)

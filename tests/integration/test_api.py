@@ -1,0 +1,236 @@
+"""The public API (``import cyclone_kit as ck``) in real processes: examples/ddp_ck.py and small scripts.
+
+* no launcher at all: world 1, a gloo group of one (DDP works unchanged), a run directory of its own;
+* 2 ranks under the local launcher (the srun-like environment): start/step/end records that
+  ``cyclone-kit report`` reads;
+* the requeue signal to the launcher (passed on to the ranks as srun does): every rank stops
+  after the same step, the checkpoint holds that step, the run ends "preempted"; run again, it
+  resumes and completes with every step exactly once and the very losses of an uninterrupted run;
+* a call out of order: one line naming the fix, exit 2, no traceback; an exception in the
+  script: a ``failed`` end record and the rank's error record;
+* checkpoints: kept and rotated as ``checkpoint.keep`` says; a torn file is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cyclone_kit.backends.local import clean_environment
+from cyclone_kit.runtime import checkpoint as ckpt
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+DDP_CK = str(REPO / "examples" / "ddp_ck.py")
+TIMEOUT_S = 240
+
+
+def records(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the line being written
+        if kind is None or rec["kind"] == kind:
+            out.append(rec)
+    return out
+
+
+def wait_for(predicate: Any, timeout: float, what: str, poll: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def plain_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables, CPU only."""
+    return {**clean_environment(os.environ), "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
+def make_run_dir(path: Path, spec: dict[str, Any]) -> Path:
+    path.mkdir(parents=True)
+    (path / "spec.json").write_text(json.dumps(spec))
+    return path
+
+
+def launcher(run_dir: Path, nproc: int, *script_args: str) -> subprocess.Popen[str]:
+    """The local launcher (cyclone_kit.backends.local.launch) running ddp_ck.py on ``nproc`` ranks."""
+    code = textwrap.dedent(f"""
+        import sys
+        from cyclone_kit.backends.local import launch
+        result = launch({str(run_dir)!r}, {nproc}, threads=1, timeout_s={TIMEOUT_S},
+                        command=[sys.executable, {DDP_CK!r}, *{list(script_args)!r}])
+        sys.exit(0 if result.ok else 1)
+    """)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=plain_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen[str], run_dir: Path) -> None:
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    logs = "".join(p.read_text()[-2000:] for p in sorted((run_dir / "logs").glob("rank-*.err")))
+    assert proc.returncode == 0, (out, err, logs)
+
+
+def run_script(tmp_path: Path, body: str, *, run_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """A small script using ck, run as one process without a launcher."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    env = plain_env(**({"CYCLONE_RUN_DIR": str(run_dir)} if run_dir else {}))
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+# --------------------------------------------------------------------------- no launcher, and 2 ranks
+def test_ddp_ck_without_any_launcher_runs_as_world_one(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, DDP_CK, "--steps", "12", "--batch-size", "16"], cwd=tmp_path,
+                            env=plain_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("ddp_ck-")
+    start, *steps, end = records(run_dir)
+    assert start["kind"] == "start" and start["world_size"] == 1 and start["launcher"] == "single"
+    assert (start["per_device_batch_size"], start["global_batch_size"]) == (16, 16)
+    assert [s["step"] for s in steps] == [10, 12]  # log_every 10, and the last partial window
+    assert all(s["samples_per_s"] > 0 and math.isfinite(s["loss"]) for s in steps)
+    assert (end["kind"], end["status"], end["steps"]) == ("end", "completed", 12)
+    assert json.loads((run_dir / "ranks" / "rank-00000.json").read_text())["device"] == "cpu"
+    assert "completed at step 12" in result.stdout
+
+
+def test_two_ranks_write_the_contract_that_report_reads(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path / "run", {"train": {"log_every": 5}})
+    finish(launcher(run_dir, 2, "--steps", "20", "--batch-size", "32"), run_dir)
+    start = records(run_dir, "start")[0]
+    assert (start["world_size"], start["per_device_batch_size"], start["global_batch_size"]) == (2, 32, 64)
+    assert start["launcher"] == "local" and start["strategy"] == "script" and start["model"] == "ddp_ck"
+    assert [s["step"] for s in records(run_dir, "step")] == [5, 10, 15, 20]
+    (end,) = records(run_dir, "end")
+    assert end["status"] == "completed" and end["steps"] == 20 and end["samples_per_s"] > 0
+    assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == ["rank-00000.json", "rank-00001.json"]
+    assert not (run_dir / "checkpoints").exists(), "no stop, no checkpoint"
+
+    report = run_cli("report", str(run_dir), "-o", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr
+    assert "1 complete" in report.stdout, report.stdout
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "report" / "scaling.csv").open()))
+    assert [(int(r["world_size"]), int(float(r["per_device_batch_size"]))) for r in rows] == [(2, 32)], rows
+    assert float(rows[0]["samples_per_s"]) > 0
+
+
+# --------------------------------------------------------------------------- signal, checkpoint, resume
+def test_requeue_signal_stops_every_rank_at_one_step_and_the_run_resumes_exactly(tmp_path: Path) -> None:
+    total = 300
+    spec = {"train": {"log_every": 1}, "checkpoint": {"poll_s": 0, "keep": 2}}
+    args = ("--steps", str(total), "--batch-size", "16")
+    run_dir = make_run_dir(tmp_path / "run", spec)
+    proc = launcher(run_dir, 2, *args)
+    try:
+        wait_for(lambda: len(records(run_dir, "step")) >= 5, 120, "training to start")
+        proc.send_signal(signal.SIGUSR2)  # passed on to both ranks, as srun --signal does
+        finish(proc, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (end,) = records(run_dir, "end")
+    stopped = end["steps"]
+    assert end["status"] == "preempted" and 0 < stopped < total, end
+    state, _path = ckpt.load_latest(run_dir / "checkpoints")
+    assert state["step"] == stopped and state["user_state"]["step"] == stopped
+    out = (run_dir / "logs" / "rank-0.out").read_text()
+    assert "stopped on a signal after a checkpoint; not running under Slurm" in out, out[-2000:]
+    assert "Traceback" not in "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
+
+    finish(launcher(run_dir, 2, *args), run_dir)  # the same run directory again: resumes
+    starts, ends = records(run_dir, "start"), records(run_dir, "end")
+    assert [s["start_step"] for s in starts] == [0, stopped]
+    assert [e["status"] for e in ends] == ["preempted", "completed"] and ends[1]["steps"] == total
+    steps = records(run_dir, "step")
+    assert [s["step"] for s in steps] == list(range(1, total + 1)), "every step exactly once"
+
+    reference = make_run_dir(tmp_path / "reference", spec)
+    finish(launcher(reference, 2, *args), reference)
+    expected = [s["loss"] for s in records(reference, "step")]
+    assert [s["loss"] for s in steps] == pytest.approx(expected, rel=1e-5, abs=1e-6), \
+        "the resumed run follows the uninterrupted one (weights, momentum and batches restored)"
+
+
+# --------------------------------------------------------------------------- misuse and failure
+@pytest.mark.parametrize(("body", "message"), [
+    pytest.param("ck.log_step(1, samples=8)", "error: ck.log_step() before ck.init() HINT: call ctx = ck.init()",
+                 id="before-init"),
+    pytest.param("ck.init()\nck.init()", "error: ck.init() was called twice HINT: call ck.init() once",
+                 id="init-twice"),
+    pytest.param("ck.init()\nck.finish()\nck.stop_requested()",
+                 "error: ck.stop_requested() after ck.finish() HINT: call ck.finish() last", id="after-finish"),
+    pytest.param("ck.init()\nck.log_step(3)\nck.log_step(2)",
+                 "error: ck.log_step(step=2) after step 3: steps must increase HINT:", id="step-backwards"),
+])
+def test_a_call_out_of_order_fails_in_one_line_with_exit_2(tmp_path: Path, body: str, message: str) -> None:
+    result = run_script(tmp_path, "import cyclone_kit as ck\n" + body + "\n")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr
+
+
+def test_an_exception_in_the_script_writes_the_failed_end_and_error_records(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path / "run", {})
+    result = run_script(tmp_path, """
+        import cyclone_kit as ck
+        ctx = ck.init()
+        ck.log_step(1, samples=8, loss=1.5)
+        raise RuntimeError("the data loader broke")
+    """, run_dir=run_dir)
+    assert result.returncode == 1 and "RuntimeError: the data loader broke" in result.stderr
+    (end,) = records(run_dir, "end")
+    assert end["status"] == "failed" and end["steps"] == 1
+    error = json.loads((run_dir / "ranks" / "error-rank-00000.json").read_text())
+    assert error["type"] == "RuntimeError" and error["message"] == "the data loader broke"
+
+
+def test_checkpoints_rotate_as_the_spec_says_and_a_torn_one_is_skipped(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path / "run", {"checkpoint": {"keep": 2}})
+    result = run_script(tmp_path, """
+        import torch
+        import cyclone_kit as ck
+        ctx = ck.init()
+        assert ck.load_checkpoint() is None
+        for step in (1, 2, 3):
+            ck.log_step(step, samples=4)
+            ck.save_checkpoint({"w": torch.full((2,), float(step)), "note": "hi"})
+        print("world", ctx.world_size, ctx.rank, ctx.is_main, ctx.device)
+        ck.finish()
+    """, run_dir=run_dir)
+    assert result.returncode == 0, result.stderr
+    assert "world 1 0 True cpu" in result.stdout
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir / "checkpoints")] == [3, 2]
+    (run_dir / "checkpoints" / "ckpt-000000009.pt").write_bytes(b"torn")
+    result = run_script(tmp_path, """
+        import cyclone_kit as ck
+        ck.init()
+        state = ck.load_checkpoint()
+        print("loaded", state["w"].tolist(), state["note"])
+        ck.finish()
+    """, run_dir=run_dir)
+    assert result.returncode == 0, result.stderr
+    assert "loaded [3.0, 3.0] hi" in result.stdout and "skipping unreadable checkpoint" in result.stderr
