@@ -1,0 +1,91 @@
+"""A user script on the public API, on the real local Slurm cluster (issue 14, "done when" bullet 2).
+
+examples/ddp_ck.py runs as a 2-node x 1-task job (srun, gloo) from a hand-written sbatch script,
+the way a user would write one. Once it has logged its first steps the test sends the requeue
+signal to its tasks (``scancel --signal=USR2``: what ``#SBATCH --signal=USR2@LEAD`` makes Slurm
+do before the time limit, here sent when the test sees training, so the outcome does not depend
+on the machine's speed). Both ranks stop after the same step, rank 0 checkpoints and runs
+``scontrol requeue``; Slurm starts the job again (SLURM_RESTART_COUNT=1), ``ck.load_checkpoint()``
+resumes it and it completes: every optimizer step logged exactly once across both segments.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cyclone_kit.backends.slurm import SlurmBackend
+from cyclone_kit.proc import run_command
+from cyclone_kit.runtime import checkpoint as ckpt
+from cyclone_kit.slurm.states import JobState
+from tests.conftest import REPO
+from tests.slurm.test_faults import cancel_quietly, read_records, wait_for
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+STEPS = 1000
+
+
+def sbatch_script(run_dir: Path) -> str:
+    """A plain user-written batch script: srun one task per node, the requeue signal, requeue allowed."""
+    return textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --job-name=ddp-ck
+        #SBATCH --nodes=2
+        #SBATCH --ntasks-per-node=1
+        #SBATCH --cpus-per-task=1
+        #SBATCH --partition=cpu
+        #SBATCH --time=10
+        #SBATCH --output={run_dir}/logs/%x-%j.out
+        #SBATCH --error={run_dir}/logs/%x-%j.err
+        #SBATCH --open-mode=append
+        #SBATCH --signal=USR2@60
+        #SBATCH --requeue
+        set -eo pipefail
+        export CYCLONE_RUN_DIR={run_dir}
+        export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
+        export MASTER_PORT="$({sys.executable} -m cyclone_kit.ports 15000 16000 "$SLURM_JOB_ID")"
+        echo "job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}}"
+        srun --kill-on-bad-exit=1 {sys.executable} {REPO / "examples" / "ddp_ck.py"} --steps {STEPS} --batch-size 32
+    """)
+
+
+def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once(
+        slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "ddp-ck"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "spec.json").write_text(json.dumps({"train": {"log_every": 1}, "checkpoint": {"poll_s": 0}}))
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(run_dir))
+    job_id = run_command(["sbatch", "--parsable", str(script)], timeout=60).stdout.strip().split(";")[0]
+    backend = SlurmBackend()
+    try:
+        wait_for(lambda: len([r for r in read_records(run_dir) if r["kind"] == "step"]) >= 3, 180,
+                 "the first steps", poll=0.1)
+        run_command(["scancel", "--signal=USR2", job_id], timeout=30)
+        wait_for(lambda: [r for r in read_records(run_dir) if r["kind"] == "end"], 120, "the stop", poll=0.2)
+        info = backend.wait(job_id, timeout=300)
+    finally:
+        cancel_quietly(backend, job_id)
+    records: list[dict[str, Any]] = read_records(run_dir)
+    out = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
+    starts = [r for r in records if r["kind"] == "start"]
+    ends = [r for r in records if r["kind"] == "end"]
+    assert info.state is JobState.COMPLETED, (info, out[-3000:])
+    assert [e["status"] for e in ends] == ["preempted", "completed"], (ends, out[-3000:])
+    stopped = ends[0]["steps"]
+    assert 0 < stopped < STEPS, "the signal came after the run had finished: nothing was tested"
+    assert [s["restart_count"] for s in starts] == [0, 1]
+    assert [s["slurm_job_id"] for s in starts] == [job_id, job_id]
+    assert [s["world_size"] for s in starts] == [2, 2] and starts[0]["hostnames"] == ["c1", "c2"]
+    assert starts[1]["start_step"] == stopped, "the second segment resumed from the stop checkpoint"
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, STEPS + 1)), "every optimizer step exactly once, in order, across the requeue"
+    assert "requeue 1 of at most 3" in out and "restart 1" in out, out[-3000:]
+    assert next(s for s, _ in ckpt.list_checkpoints(run_dir / "checkpoints")) == stopped
+    assert not list((run_dir / "ranks").glob("error-rank-*.json")), "a clean requeue is no failure"
