@@ -1,7 +1,7 @@
 """Run every benchmark, print each figure with its target and MET/MISSED, rewrite bench/RESULTS.md.
 
 ``make bench`` runs ``.venv/bin/python bench/run_all.py``. Benchmarks (each in its own process,
-one after the other, output streamed as it comes): cli_latency, analysis, overhead, scaling_cpu.
+one after the other, output streamed as it comes): cli_latency, analysis, overhead, scaling_cpu, api_cost.
 bench/gpu_check.sh needs an NVIDIA GPU and is not run here; the GPU section and the notes section
 of RESULTS.md (between the ``gpu-check`` / ``notes`` markers) are kept as they are when the file
 is rewritten.
@@ -68,7 +68,7 @@ def commands(is_quick: bool) -> dict[str, list[str]]:
         cli = [py, str(BENCH / "cli_latency.py")]
         analysis = [py, str(BENCH / "analysis.py")]
     return {"cli_latency": cli, "analysis": analysis, "overhead": [py, str(BENCH / "overhead.py")],
-            "scaling_cpu": [py, str(BENCH / "scaling_cpu.py")]}
+            "scaling_cpu": [py, str(BENCH / "scaling_cpu.py")], "api_cost": [py, str(BENCH / "api_cost.py")]}
 
 
 def run_bench(name: str, argv: list[str], timeout: float) -> tuple[int, str, float]:
@@ -156,6 +156,14 @@ def parse(name: str, output: str) -> list[Figure]:
                                    "vs the plain script started with python",
                                    f"{j['start_ours_1rank_s']:.2f} s vs {j['start_python_s']:.2f} s",
                                    "(information)", "INFO"))
+    elif name == "api_cost":
+        j = _json(output)
+        if j:
+            r0 = j["rank0"]
+            figs.append(Figure(name, f"public API per-step cost in examples/ddp_ck.py (2 ranks; rank 0: median "
+                               f"{r0['api_us_median']:.0f} us, mean {r0['api_us_mean']:.0f} us of a "
+                               f"{r0['step_ms_median']:.1f} ms step)", f"{100 * j['ratio']:.3f} %",
+                               f"<= {100 * j['target']:.0f} % of the step", _v(j["met"])))
     return figs
 
 
@@ -199,7 +207,7 @@ def write_results(path: Path, figs: list[Figure], outputs: dict[str, tuple[int, 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected benchmarks, print the summary, rewrite the results file."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", action="append", choices=["cli_latency", "analysis", "overhead", "scaling_cpu"])
+    p.add_argument("--only", action="append", choices=["cli_latency", "analysis", "overhead", "scaling_cpu", "api_cost"])
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md")
     p.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")
     args = p.parse_args(argv)
