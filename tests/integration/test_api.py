@@ -138,6 +138,35 @@ def test_two_ranks_write_the_contract_that_report_reads(tmp_path: Path) -> None:
     assert float(rows[0]["samples_per_s"]) > 0
 
 
+def test_ddp_ck_under_torchrun_joins_torchruns_world(tmp_path: Path) -> None:
+    run_dir = make_run_dir(tmp_path / "run", {"train": {"log_every": 4}})
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             DDP_CK, "--steps", "8", "--batch-size", "8"], cwd=tmp_path,
+                            env=plain_env(CYCLONE_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1"), capture_output=True,
+                            text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (start,) = records(run_dir, "start")
+    assert (start["launcher"], start["world_size"], start["local_world_size"]) == ("torchrun", 2, 2)
+    assert start["global_batch_size"] == 16 and [s["step"] for s in records(run_dir, "step")] == [4, 8]
+    assert [e["status"] for e in records(run_dir, "end")] == ["completed"]
+
+
+def test_a_process_group_the_script_made_is_reused_and_left_to_it(tmp_path: Path) -> None:
+    result = run_script(tmp_path, """
+        import torch.distributed as dist
+        import cyclone_kit as ck
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        group = dist.group.WORLD
+        ctx = ck.init()
+        ck.log_step(1, samples=2)
+        ck.finish()
+        print("same group", dist.is_initialized() and dist.group.WORLD is group, ctx.world_size)
+        dist.destroy_process_group()
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "same group True 1" in result.stdout
+
+
 # --------------------------------------------------------------------------- signal, checkpoint, resume
 def test_requeue_signal_stops_every_rank_at_one_step_and_the_run_resumes_exactly(tmp_path: Path) -> None:
     total = 300
