@@ -103,7 +103,11 @@ def test_overrides_bare_and_dotted():
 
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
 def test_set_value_never_crashes_and_strings_survive(value):
-    """Any text after '=' parses: either as a TOML literal or kept verbatim as a string."""
+    """Any text after '=' parses: either as a TOML literal or kept verbatim as a string (empty: refused)."""
+    if value.strip() in ("", '""', "''"):
+        with pytest.raises(ValidationError, match="empty value"):
+            parse_assignment(f"train.data_dir={value}")
+        return
     key, parsed = parse_assignment(f"train.data_dir={value}")
     assert key == "train.data_dir"
     if isinstance(parsed, str) and not value.strip().startswith(('"', "'")):
