@@ -223,7 +223,7 @@ class TrainConfig:
     bucket_cap_mb: int = 25
     static_graph: bool = True  # DDP's static graph where valid (runtime/train.py use_static_graph)
     num_workers: int = -1
-    pg_timeout_s: int = 120
+    pg_timeout_s: int = 600  # PyTorch's NCCL default: rank 0 may write or load a large checkpoint meanwhile
     microbatches: int = 4
     fp16_allreduce: bool = False
 
