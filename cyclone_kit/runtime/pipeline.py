@@ -220,11 +220,11 @@ def order_mismatches(schedules: Sequence[Sequence[Op]]) -> list[str]:
     flip = {"send": "recv", "recv": "send"}
     problems = []
     for k in range(len(schedules) - 1):
-        mine = channel(schedules[k], k + 1)
-        theirs = [(flip[d], what, m) for d, what, m in channel(schedules[k + 1], k)]
+        mine, raw = channel(schedules[k], k + 1), channel(schedules[k + 1], k)
+        theirs = [(flip[d], what, m) for d, what, m in raw]
         for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
             if a != b:
-                problems.append(f"stages {k}-{k + 1}, operation {i}: stage {k} posts {a}, stage {k + 1} expects {b}")
+                problems.append(f"stages {k}-{k + 1}, operation {i}: stage {k} posts {a}, stage {k + 1} posts {raw[i]}")
                 break
         else:
             if len(mine) != len(theirs):
