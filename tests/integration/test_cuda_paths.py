@@ -71,3 +71,125 @@ def test_fsdp_with_channels_last_forced_trains_on_gloo() -> None:
     assert all("OLD-ERROR" in out and "non-contiguous" in out for out in old), old
     new = _two_ranks(FSDP_CHILD, "new")
     assert all(out.startswith("OK ") for out in new), new
+
+
+WORKER = r"""
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+rank = os.environ["RANK"]
+got = []
+signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))
+(out / f"ready-{rank}").write_text(os.environ.get("OMP_NUM_THREADS", ""))
+while not got:
+    time.sleep(0.05)
+(out / f"got-{rank}").write_text("USR2")
+"""
+
+
+def _launch_lines(profile: str = "local") -> str:
+    """The lines the torchrun template runs before its srun (exports), from a real render of a
+    node with 2 GPUs (2 workers)."""
+    from cyclone_kit.config import load_profile, spec_from_dict
+    from cyclone_kit.render import render_script
+    from cyclone_kit.validate import resolve
+
+    spec = spec_from_dict({"name": "t", "resources": {"profile": profile, "partition": "gpu", "nodes": 1,
+                                                       "gpus_per_node": 2, "launcher": "torchrun"}})
+    text = render_script(resolve(spec, load_profile(profile)), "/tmp/run", python=sys.executable,
+                         environ={"CYCLONE_KIT_TEMPLATES": "/nonexistent"})
+    launch = text[text.index("# One torchrun agent per node"):text.index("srun ")]
+    return "\n".join(line for line in launch.splitlines() if not line.startswith("#"))
+
+
+def test_torchrun_agent_forwards_the_requeue_signal_to_its_workers(tmp_path: Path) -> None:
+    """Item 9: with the template's exports, SIGUSR2 to the torchrun agent reaches every worker
+    (the agent's default signal list would let USR2 kill the agent and orphan the workers);
+    item 12: each worker's OMP_NUM_THREADS is the task's CPUs / workers."""
+    import os
+    import signal
+    import time
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    exports = _launch_lines()
+    assert "SIGUSR2" in exports
+    cmd = (f"{exports}\nexec {sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2 "
+           f"{worker} {tmp_path}")
+    env = {**clean_env(), "SLURM_CPUS_PER_TASK": "4"}
+    agent = subprocess.Popen(["bash", "-c", cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all((tmp_path / f"ready-{r}").exists() for r in range(2)):
+            assert agent.poll() is None, agent.communicate()
+            assert time.monotonic() < deadline, "workers never started"
+            time.sleep(0.1)
+        os.kill(agent.pid, signal.SIGUSR2)
+        _, err = agent.communicate(timeout=TIMEOUT_S)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert all((tmp_path / f"got-{r}").read_text() == "USR2" for r in range(2)), err
+    assert [(tmp_path / f"ready-{r}").read_text() for r in range(2)] == ["2", "2"]
+
+
+def _png_tree(root: Path, classes: int = 2, per_class: int = 16) -> None:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        folder = root / "train" / f"class{c}"
+        folder.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+
+
+@pytest.mark.slow
+def test_imagefolder_run_with_workers_checkpoints_when_slurm_signals_every_process(tmp_path: Path) -> None:
+    """Item 10: SIGTERM to the rank's whole process group (what Slurm does to a step: the
+    DataLoader workers get it too) ends the run "preempted" with a checkpoint, not with
+    "DataLoader worker ... killed by signal: Terminated"."""
+    import json
+    import os
+    import signal
+
+    from cyclone_kit.backends.local import LAUNCH_FILE
+    from tests.conftest import REPO
+    from tests.integration.test_signals import alive, records, wait_for
+
+    data = tmp_path / "data"
+    _png_tree(data)
+    sets = ["train.dataset=imagefolder", f"train.data_dir={data}", "train.image_size=16", "train.batch_size=4",
+            "train.num_workers=2", "train.steps=100000", "train.log_every=1", "train.val_every_epochs=0",
+            "checkpoint.every_steps=0", "checkpoint.requeue=false", "resources.ntasks_per_node=1"]
+    argv = [sys.executable, "-m", "cyclone_kit", "run", str(REPO / "jobs" / "smoke.toml"), "--nproc", "1",
+            "--threads", "1", "--quiet", "--runs-dir", str(tmp_path / "runs")]
+    for item in sets:
+        argv += ["--set", item]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**clean_env(), "CUDA_VISIBLE_DEVICES": ""})
+    rank_pid = None
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("run dir: "), first + proc.stderr.read()  # type: ignore[union-attr]
+        run_dir = Path(first.split(": ", 1)[1].strip())
+        wait_for((run_dir / LAUNCH_FILE).is_file, TIMEOUT_S, "launch.json")
+        rank_pid = json.loads((run_dir / LAUNCH_FILE).read_text())["ranks"][0]["pid"]
+        wait_for(lambda: len(records(run_dir, "step")) >= 3, TIMEOUT_S, "3 logged steps (workers running)")
+        workers = [int(p) for t in Path(f"/proc/{rank_pid}/task").iterdir()
+                   for p in (t / "children").read_text().split()]
+        assert len(workers) >= 2, workers  # the DataLoader's workers are the rank's children
+        os.killpg(rank_pid, signal.SIGTERM)  # the rank and its workers, as Slurm signals a step
+        code = proc.wait(timeout=TIMEOUT_S)
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if rank_pid is not None and alive(rank_pid):
+            os.killpg(rank_pid, signal.SIGKILL)
+    ends = records(run_dir, "end")
+    rank_err = (run_dir / "logs" / "rank-0.err").read_text()[-2000:]
+    assert code == 0 and ends and ends[-1]["status"] == "preempted", (code, ends, err, rank_err)
+    assert list((run_dir / "checkpoints").glob("*.pt")), "no checkpoint written on the stop"
