@@ -193,3 +193,67 @@ def test_imagefolder_run_with_workers_checkpoints_when_slurm_signals_every_proce
     rank_err = (run_dir / "logs" / "rank-0.err").read_text()[-2000:]
     assert code == 0 and ends and ends[-1]["status"] == "preempted", (code, ends, err, rank_err)
     assert list((run_dir / "checkpoints").glob("*.pt")), "no checkpoint written on the stop"
+
+
+HVD_CHILD = r"""
+import json, sys
+import torch
+import horovod.torch as hvd
+from cyclone_kit.runtime.train import optimizer_step
+
+mode, out = sys.argv[1], sys.argv[2]
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 8)
+start = {k: v.detach().clone() for k, v in model.named_parameters()}
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters(),
+                               compression=hvd.Compression.fp16)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+g = torch.Generator().manual_seed(hvd.rank())
+x, y = torch.randn(32, 64, generator=g), torch.randint(0, 8, (32,), generator=g)
+loss = torch.nn.functional.cross_entropy(model(x), y)
+# the gradient each rank would have without scaling, averaged over ranks: the update SGD(lr=1) must make
+ref = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+mean = [hvd.allreduce(r, name=f"ref{i}") for i, r in enumerate(ref)]
+scaler.scale(loss).backward()
+if mode == "old":  # the engine before issue 16: GradScaler's step straight on Horovod's optimizer
+    scaler.step(opt)
+    scaler.update()
+else:
+    optimizer_step(opt, scaler, horovod=True)
+ratios = [float(((start[n] - p.detach()).abs().sum() / m.abs().sum())) for (n, p), m in zip(model.named_parameters(), mean)]
+json.dump({"ratios": ratios, "scale": scaler.get_scale()}, open(f"{out}-{hvd.rank()}.json", "w"))
+"""
+
+
+@pytest.mark.slow
+def test_horovod_fp16_allreduce_with_a_grad_scaler_updates_by_the_unscaled_mean_gradient(tmp_path: Path) -> None:
+    """Item 3, Horovod on CPU (gloo, 2 ranks): loss scale 65536 and fp16 compression; with
+    synchronize -> unscale_ -> step under skip_synchronize, the SGD(lr=1) update equals the
+    ranks' mean unscaled gradient on both ranks (the old order gives a wrong update)."""
+    import json
+    import os
+
+    from tests.integration.test_strategies import _horovod_missing
+
+    missing = _horovod_missing()
+    if missing:
+        pytest.skip(f"Horovod not importable: {missing}")
+    child = tmp_path / "child.py"
+    child.write_text(HVD_CHILD)
+    horovodrun = str(Path(sys.executable).parent / "horovodrun")
+    env = {**clean_env(), "HOROVOD_GLOO_TIMEOUT_SECONDS": "60", "PYTHONPATH": str(Path(__file__).parents[2])}
+    results = {}
+    for mode in ("new", "old"):
+        cmd = [sys.executable, horovodrun, "--gloo", "--start-timeout", "60", "-np", "2", "-H", "localhost:2",
+               "--network-interfaces", "lo", sys.executable, str(child), mode, str(tmp_path / mode)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results[mode] = [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(2)]
+    for rank in results["new"]:
+        assert rank["ratios"] == pytest.approx([1.0, 1.0], rel=2e-3), rank  # fp16 rounding of the all-reduce
+    assert results["new"][0] == results["new"][1]
+    print("old order, update / mean gradient:", [r["ratios"] for r in results["old"]], os.linesep)
+    # before: unscale_ ran before Horovod wrote the all-reduced (still scaled) gradients: 65536x too large
+    for rank in results["old"]:
+        assert rank["ratios"] == pytest.approx([2.0**16, 2.0**16], rel=1e-2), rank
