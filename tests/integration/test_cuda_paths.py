@@ -257,3 +257,42 @@ def test_horovod_fp16_allreduce_with_a_grad_scaler_updates_by_the_unscaled_mean_
     # before: unscale_ ran before Horovod wrote the all-reduced (still scaled) gradients: 65536x too large
     for rank in results["old"]:
         assert rank["ratios"] == pytest.approx([2.0**16, 2.0**16], rel=1e-2), rank
+
+
+STAGES_CHILD = r"""
+import datetime, json, sys
+import torch, torch.distributed as dist
+from cyclone_kit.runtime.env import DistEnv
+from cyclone_kit.runtime.pipeline import LossScale, to_cpu
+from cyclone_kit.runtime.train import gather_to_main
+
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+p = torch.nn.Parameter(torch.ones(4))
+opt = torch.optim.SGD([p], lr=1.0)
+scaler = LossScale(init_scale=8.0, distributed=True)
+p.grad = torch.full((4,), float("inf")) if rank == 1 else torch.full((4,), 8.0)  # only stage 1 overflows
+first = scaler.step(opt)
+p.grad = torch.full((4,), 4.0)
+second = scaler.step(opt)
+env = DistEnv(rank=rank, world_size=2)
+gathered = gather_to_main(to_cpu({"rank": rank, "state": opt.state_dict()}), env, True)
+json.dump({"first": first, "second": second, "scale": scaler.scale, "p": p.tolist(),
+           "gathered": [g["rank"] for g in gathered]}, open(f"{out}-{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_pipeline_stages_agree_on_skipping_an_fp16_step_and_only_rank_0_gathers_the_checkpoint(
+        tmp_path: Path) -> None:
+    """Items 1 and 6 on 2 gloo ranks: an inf gradient on one stage makes every stage skip the step
+    and halve the scale; the checkpoint gather hands the stages' states to rank 0 only."""
+    import json
+
+    _two_ranks(STAGES_CHILD, str(tmp_path / "r"))
+    r0, r1 = (json.loads((tmp_path / f"r-{r}.json").read_text()) for r in range(2))
+    for r in (r0, r1):
+        assert (r["first"], r["second"], r["scale"]) == (False, True, 4.0)
+        assert r["p"] == [0.0, 0.0, 0.0, 0.0]  # only the second step: 1 - 4/4
+    assert r0["gathered"] == [0, 1] and r1["gathered"] == []
