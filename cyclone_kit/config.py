@@ -83,6 +83,11 @@ class ClusterProfile:
     ``setup`` lines are raw shell (e.g. ``source ~/venv/bin/activate``): they come from the
     user's own profile file and are trusted like a shell rc file. ``modules`` and ``env``
     values are data and are always shell-quoted when rendered.
+
+    ``gpu_bind``, ``cpu_bind`` and ``distribution`` (empty: Slurm's defaults) are passed to
+    every ``srun`` of the job as ``--gpu-bind``, ``--cpu-bind`` and ``--distribution``. The
+    runtime needs each task to see one GPU, or all of the node's GPUs (it refuses e.g. 2 visible
+    GPUs for 4 ranks, what ``--gpu-bind=closest`` gives with 2 tasks per socket).
     """
 
     name: str
@@ -97,6 +102,15 @@ class ClusterProfile:
     python: str = ""
     gpu_request: str = "gres"
     cpus_per_gpu: int = 0
+    gpu_bind: str = ""
+    cpu_bind: str = ""
+    distribution: str = ""
+
+    @property
+    def srun_binding(self) -> tuple[str, ...]:
+        """The binding options of every srun line (``--cpu-bind=cores`` & co.), empty ones left out."""
+        pairs = (("--cpu-bind", self.cpu_bind), ("--distribution", self.distribution), ("--gpu-bind", self.gpu_bind))
+        return tuple(f"{flag}={value}" for flag, value in pairs if value)
 
     def __post_init__(self) -> None:
         if not self.partitions:
@@ -119,6 +133,14 @@ class ClusterProfile:
                     hint="use letters, digits and '_' only, not starting with a digit",
                 )
         _check_directives(f"profile {self.name!r}: extra_sbatch", self.extra_sbatch)
+        for key in ("gpu_bind", "cpu_bind", "distribution"):
+            value = getattr(self, key)
+            if value and not re.fullmatch(r"[A-Za-z0-9_.,:*+-]+", value):
+                raise ValidationError(
+                    f"profile {self.name!r}: {key} {value!r} is not a Slurm binding value",
+                    hint=f"use a value srun accepts for --{key.replace('_', '-')}, e.g. "
+                         + {"gpu_bind": "none or single:1", "cpu_bind": "cores", "distribution": "block:block"}[key],
+                )
 
     @property
     def default_partition(self) -> Partition:
@@ -224,7 +246,7 @@ class TrainConfig:
     bucket_cap_mb: int = 25
     static_graph: bool = True  # DDP's static graph where valid (runtime/train.py use_static_graph)
     num_workers: int = -1
-    pg_timeout_s: int = 120
+    pg_timeout_s: int = 600  # PyTorch's NCCL default: rank 0 may write or load a large checkpoint meanwhile
     microbatches: int = 4
     fp16_allreduce: bool = False
 
