@@ -313,7 +313,7 @@ def finish(status: str | None = None) -> str:
     steps = run.last_step if run.last_step is not None else run.start_step
     run.begin(None)
     run.flush_window(steps)
-    run.session.end(status, steps)
+    run.session.end(status, steps, release_signals=False)  # kept through the teardown: a requeue's SIGTERM is recorded
     run.session.close()
     _run, _finished = None, True
     return status

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -41,10 +40,11 @@ from cyclone_kit.errors import ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import auto_workers, build_data
-from cyclone_kit.runtime.dist import init_process_group, probe_device, setup_threads, side_group, warn, worker_cpus
+from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import TinyCNN, build_model
-from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue
+from cyclone_kit.runtime.session import Session, open_session
+from cyclone_kit.runtime.signals import NONE, StopFlag
 
 
 # --------------------------------------------------------------------------- the split
@@ -361,14 +361,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     Raises:
         ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
     """
-    from cyclone_kit.runtime.train import (
-        _gather_hosts,
-        _seed_everything,
-        begin_segment,
-        lr_factor,
-        make_plan,
-        resolve_precision,
-    )
+    from cyclone_kit.runtime.train import _seed_everything, begin_segment, lr_factor, make_plan, resolve_precision
 
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -381,15 +374,12 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
         )
     if tc.compile:
         warn("train.compile is ignored with strategy=pipeline")
-    threads = setup_threads(environ)
-    device = probe_device(env, environ)
-    if device.warning and env.local_rank == 0:
-        warn(device.warning)
-    dev = torch.device(device.torch_device)
     _seed_everything(tc.seed)
-    distributed = init_process_group(env, device, tc.pg_timeout_s)
-    host = env.host or socket.gethostname()
-    hostnames = _gather_hosts(host, distributed)
+    # The engine's set-up path (threads, device, process group, hosts, stop agreement): the public API's.
+    session = open_session(env, environ, run_dir, cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
+                           t_start=t_start)
+    device, distributed = session.device, session.distributed
+    dev = torch.device(device.torch_device)
 
     # No data parallelism: every stage reads the batches a world of one would read.
     solo = dataclasses.replace(env, rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
@@ -416,13 +406,11 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
                                                                                    plan.total_steps))
     autocast = (lambda: torch.autocast(device_type=dev.type, dtype=dtype)) if dtype else contextlib.nullcontext
 
-    state = _State(spec, run_dir, env, stage, optimizer, scheduler, plan, distributed, scaler)
+    state = _State(session, stage, optimizer, scheduler, plan, scaler)
     step = state.resume() if cc.resume else 0
-    launcher = environ.get("CYCLONE_LAUNCHER") or env.launcher
-    writer = begin_segment(run_dir, env, environ, plan, tc, stop_flag, precision=precision, strategy="pipeline",
-                           launcher=launcher, device=device, hostnames=hostnames, threads=threads, step=step,
-                           stages=env.world_size, microbatches=tc.microbatches)
-    if writer is None:
+    launcher = session.launcher
+    if not begin_segment(session, plan, tc, precision=precision, strategy="pipeline", step=step,
+                         stages=env.world_size, microbatches=tc.microbatches):
         return "completed"
     if env.is_main:
         print(f"cyclone_kit: {tc.model} on {tc.dataset}, pipeline of {env.world_size} stage(s) x "
@@ -430,10 +418,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
               f"lr {plan.lr:g}, steps {step}->{plan.total_steps}", flush=True)
 
     criterion = nn.CrossEntropyLoss()
-    agreement = StopAgreement(stop_flag, distributed, interval_s=spec.checkpoint.poll_s)
-    rates: list[float] = []
     epoch = step // plan.steps_per_epoch
-    status = "failed"
     try:
         data.train.set_epoch(epoch, (step - epoch * plan.steps_per_epoch) * plan.grad_accum)
         batches = iter(data.train)
@@ -466,68 +451,44 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
                     dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 value = float(loss.item())  # waits for the GPU (the all-reduce follows the last stage's work)
                 elapsed = max(time.perf_counter() - window_t0, 1e-9)
-                rate = plan.global_batch * window_steps / elapsed
-                rates.append(rate)
-                writer.write(mx.step_record(step, epoch, value, elapsed / window_steps, data_s / window_steps,
-                                            rate, mx.utc_now()))
+                samples = plan.global_batch * window_steps  # every stage works on every sample
+                rate = session.log_window(step, epoch, value, window_steps, elapsed, data_s, samples, samples)
                 if env.is_main:
                     print(f"step {step}/{plan.total_steps} epoch {epoch} loss {value:.4f} "
                           f"step {elapsed / window_steps * 1000:.1f} ms {rate:.1f} samples/s", flush=True)
                 loss_sum = torch.zeros((), device=dev)
                 window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
-            agreed = agreement.poll(step)
+            agreed = session.poll(step)
             if agreed != NONE:
                 break
             if cc.every_steps and step % cc.every_steps == 0 and step < plan.total_steps:
                 state.save(step, epoch)
             if step % plan.steps_per_epoch == 0:
-                _end_epoch(writer, env, stage, data, shape, tc.microbatches, epoch, time.perf_counter() - epoch_t0,
-                           tc.val_every_epochs > 0 and (epoch + 1) % tc.val_every_epochs == 0, distributed, dev)
+                _end_epoch(session, stage, data, shape, tc.microbatches, epoch, time.perf_counter() - epoch_t0,
+                           tc.val_every_epochs > 0 and (epoch + 1) % tc.val_every_epochs == 0, dev)
                 epoch += 1
                 if step < plan.total_steps:
                     data.train.set_epoch(epoch, 0)
                     batches = iter(data.train)
                     epoch_t0 = time.perf_counter()
-        agreement.finish()
+        session.settle()
         if agreed == NONE and step % plan.steps_per_epoch:
-            _end_epoch(writer, env, stage, data, shape, tc.microbatches, epoch, time.perf_counter() - epoch_t0,
-                       tc.val_every_epochs > 0, distributed, dev)
+            _end_epoch(session, stage, data, shape, tc.microbatches, epoch, time.perf_counter() - epoch_t0,
+                       tc.val_every_epochs > 0, dev)
         state.save(step, epoch)
-        status = "completed" if agreed == NONE else "preempted"
-    finally:
-        wall = time.perf_counter() - t_start
-        writer.write(mx.end_record(status, step, mx.steady_state(rates), wall, mx.utc_now()))
-        writer.close()
-        stop_flag.uninstall()
-    peak = _peak_memory(device.kind, dev)
-    mx.write_rank_summary(run_dir, env.rank, host, device.torch_device, mx.steady_state(rates), peak)
-    if env.is_main:
-        rate = mx.steady_state(rates)
-        print(f"cyclone_kit: {status} at step {step}/{plan.total_steps} in {wall:.1f} s"
-              + (f", {rate:.1f} samples/s" if rate else ""), flush=True)
-        if agreed != NONE:
-            yes, why = should_requeue(agreed, cc.requeue, env.restart_count, cc.max_requeues, environ)
-            print(f"cyclone_kit: stopped on a signal after a checkpoint; {why}", flush=True)
-            if yes:
-                try:
-                    requeue(environ)
-                except Exception as e:
-                    warn(f"requeue failed: {e}")
+    except BaseException:
+        session.end("failed", step, plan.total_steps)
+        raise
+    status = "completed" if agreed == NONE else "preempted"
+    # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
+    session.end(status, step, plan.total_steps)
     return status
 
 
-def _peak_memory(kind: str, dev: torch.device) -> int:
-    if kind == "cuda":
-        return int(torch.cuda.max_memory_allocated(dev))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 @torch.no_grad()
-def _end_epoch(writer: mx.MetricsWriter, env: DistEnv, stage: Stage, data: Any, shape: Sequence[int],
-               microbatches: int, epoch: int, seconds: float, validate: bool, distributed: bool,
-               dev: torch.device) -> None:
+def _end_epoch(session: Session, stage: Stage, data: Any, shape: Sequence[int], microbatches: int, epoch: int,
+               seconds: float, validate: bool, dev: torch.device) -> None:
+    env, distributed = session.env, session.distributed
     accuracy = None
     if validate and data.val is not None:
         module = stage.module
@@ -546,7 +507,7 @@ def _end_epoch(writer: mx.MetricsWriter, env: DistEnv, stage: Stage, data: Any, 
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         correct, total = counts.tolist()
         accuracy = correct / total if total else None
-    writer.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
+    session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
     if env.is_main and accuracy is not None:
         print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
 
@@ -554,20 +515,19 @@ def _end_epoch(writer: mx.MetricsWriter, env: DistEnv, stage: Stage, data: Any, 
 class _State:
     """Checkpoint save/resume of a pipeline run (engine format; ``model`` is the full state dict)."""
 
-    def __init__(self, spec: JobSpec, run_dir: Path, env: DistEnv, stage: Stage, optimizer: Any, scheduler: Any,
-                 plan: Any, distributed: bool, scaler: LossScale | None = None) -> None:
-        self.spec, self.run_dir, self.env, self.stage = spec, run_dir, env, stage
-        self.optimizer, self.scheduler, self.plan, self.distributed = optimizer, scheduler, plan, distributed
+    def __init__(self, session: Session, stage: Stage, optimizer: Any, scheduler: Any, plan: Any,
+                 scaler: LossScale | None = None) -> None:
+        self.session, self.env, self.stage = session, session.env, stage
+        self.optimizer, self.scheduler, self.plan = optimizer, scheduler, plan
         self.scaler = scaler
 
     def save(self, step: int, epoch: int) -> None:
-        from cyclone_kit.runtime.train import gather_to_main
-
         # CPU copies, gathered to rank 0 only: no rank unpickles another stage's state onto its GPU
         mine = {"model": self.stage.state_dict(), "optimizer": to_cpu(self.optimizer.state_dict()),
                 "rng": ckpt.capture_rng()}
-        every = gather_to_main(mine, self.env, self.distributed)
+        every = self.session.gather_to_main(mine)
         del mine
+        state: dict[str, Any] | None = None
         if self.env.is_main:
             model: dict[str, torch.Tensor] = {}
             for part in every:
@@ -589,25 +549,15 @@ class _State:
             }
             if self.scaler is not None:
                 state["loss_scale"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.spec.checkpoint.keep)
-        if self.distributed:  # the others wait while rank 0 writes: on gloo, off NCCL's watchdog
-            import torch.distributed as dist
-
-            dist.barrier(group=side_group())
+        # Rank 0 writes it atomically (the newest checkpoint.keep kept); the others wait on the gloo side group.
+        self.session.save(state, step)
 
     def resume(self) -> int:
         """Load the newest checkpoint (chosen by rank 0) into this stage; returns its step (0 if none)."""
-        folder = self.run_dir / "checkpoints"
-        found = ckpt.load_latest(folder) if self.env.is_main else None
-        choice: list[Any] = [str(found[1]) if found else None]
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.broadcast_object_list(choice, src=0, group=side_group())
-        if choice[0] is None:
+        found = self.session.load_latest()
+        if found is None:
             return 0
-        path = Path(choice[0])
-        state = found[0] if found is not None else ckpt.load_checkpoint(path)
+        state, path = found
         if state.get("optimizer_format") == "dcp":
             raise ValidationError(
                 f"checkpoint {path.name} holds FSDP shards (checkpoint.sharded); the pipeline cannot resume it",

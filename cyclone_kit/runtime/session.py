@@ -34,7 +34,7 @@ from typing import Any
 from cyclone_kit.config import CheckpointConfig
 from cyclone_kit.errors import CommandError, ValidationError
 from cyclone_kit.runtime import metrics as mx
-from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, warn
+from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
 
@@ -138,15 +138,23 @@ class Session:
                 self.agreement.finish()
         return self.agreed
 
+    def settle(self) -> None:
+        """Wait for an outstanding stop reduce (after the loop, before other collectives)."""
+        if self.agreement is not None:
+            self.agreement.finish()
+
     # ------------------------------------------------------------------ checkpoints
-    def save(self, state: dict[str, Any] | None, step: int) -> Path | None:
+    def save(self, state: dict[str, Any] | None, step: int, after_write: Any = None) -> Path | None:
         """Rank 0 writes ``state`` as the checkpoint of ``step`` (atomic; the newest
-        ``checkpoint.keep`` kept); every rank then waits for it. Call on every rank."""
+        ``checkpoint.keep`` kept) and runs ``after_write(checkpoint_dir)`` if given; every rank
+        then waits for it (other ranks pass None). Call on every rank."""
         from cyclone_kit.runtime import checkpoint as ckpt
 
         path = None
         if self.env.is_main and state is not None:
             path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
+            if after_write is not None:
+                after_write(self.checkpoint_dir)
         self.barrier()
         return path
 
@@ -161,7 +169,7 @@ class Session:
 
         found = ckpt.load_latest(self.checkpoint_dir, map_location) if self.env.is_main else None
         choice: list[Any] = [str(found[1]) if found else None]
-        dist.broadcast_object_list(choice, src=0)
+        dist.broadcast_object_list(choice, src=0, group=side_group())  # rank 0 may take minutes to load it
         if choice[0] is None:
             return None
         if found is not None:
@@ -170,18 +178,24 @@ class Session:
         return ckpt.load_checkpoint(path, map_location), path
 
     def barrier(self) -> None:
-        """Wait for every rank (a no-op for one rank)."""
+        """Wait for every rank (a no-op for one rank), on the gloo side group: off NCCL's watchdog
+        while rank 0 writes and fsyncs a checkpoint."""
         if self.distributed:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=side_group())
+
+    def gather_to_main(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order on rank 0, [] on the others (:func:`gather_to_main`)."""
+        return gather_to_main(obj, self.env, self.distributed)
 
     # ------------------------------------------------------------------ end
     def end(self, status: str, steps: int, total_steps: int | None = None, peak_memory_bytes: int | None = None,
-            wall_time_s: float | None = None) -> None:
+            wall_time_s: float | None = None, release_signals: bool = True) -> None:
         """Close the segment: the ``end`` record (rank 0), this rank's summary, the closing line,
-        the signal handlers restored, and ``scontrol requeue`` (rank 0) when the agreed stop was
-        the requeue signal under Slurm and requeues are left."""
+        ``scontrol requeue`` (rank 0) when the agreed stop was the requeue signal under Slurm and
+        requeues are left, then the signal handlers restored (unless ``release_signals`` is False:
+        then :meth:`close` restores them after the teardown)."""
         if self.ended:
             return
         self.ended = True
@@ -190,8 +204,9 @@ class Session:
         self.write(mx.end_record(status, steps, rate, wall, mx.utc_now()))
         if self.writer is not None:
             self.writer.close()
-        self.stop_flag.uninstall()
         if status == "failed":
+            if release_signals:
+                self.stop_flag.uninstall()
             return
         mx.write_rank_summary(self.run_dir, self.env.rank, self.host, self.device.torch_device,
                               mx.steady_state(self.local_rates), peak_memory_bytes
@@ -209,12 +224,14 @@ class Session:
                     requeue(self.environ)
                 except (CommandError, ValidationError) as e:
                     warn(f"requeue failed: {e}")
+        if release_signals:  # after the requeue: Slurm's SIGTERM for the requeued job is only recorded
+            self.stop_flag.uninstall()
 
     def close(self) -> None:
         """Tear down: wait for an outstanding stop reduce, then (when the session created it) a
-        barrier and the process group destroyed (a gloo group left alive at exit can abort)."""
-        if self.agreement is not None:
-            self.agreement.finish()
+        barrier and the process group destroyed (a gloo group left alive at exit can abort), and
+        the signal handlers restored."""
+        self.settle()
         if self.owns_group:
             import torch.distributed as dist
 
@@ -222,11 +239,12 @@ class Session:
                 dist.barrier()
                 dist.destroy_process_group()
             self.owns_group = False
+        self.stop_flag.uninstall()
 
 
 def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: CheckpointConfig, *,
-                 pg_timeout_s: int = 1800, stop_flag: StopFlag | None = None, group_for_one: bool = False,
-                 t_start: float | None = None) -> Session:
+                 pg_timeout_s: int = 600, stop_flag: StopFlag | None = None, group_for_one: bool = False,
+                 t_start: float | None = None, backend: str | None = None) -> Session:
     """Set up this rank: signal handlers, threads, device, process group, hosts, stop agreement.
 
     Args:
@@ -239,6 +257,8 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
         group_for_one: create a process group for a world of one too (a user script may wrap
             its model in DDP unconditionally; the built-in engine does not need one).
         t_start: when the segment started (default: now).
+        backend: the process group's backend instead of the device's (gloo for Horovod, whose
+            own ring moves the gradients).
     """
     t_start = time.perf_counter() if t_start is None else t_start
     stop_flag = stop_flag or StopFlag(cc.signal).install()
@@ -257,9 +277,9 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
                 hint="let cyclone_kit create the process group (call ck.init() before init_process_group)",
             )
     elif env.is_distributed:
-        owns = init_process_group(env, device, pg_timeout_s)
+        owns = init_process_group(env, device, pg_timeout_s, backend=backend)
     else:
-        init_process_group(env, device, pg_timeout_s)  # selects the CUDA device
+        init_process_group(env, device, pg_timeout_s, backend=backend)  # selects the CUDA device
         if group_for_one:
             _group_of_one(device, pg_timeout_s)
             owns = True
@@ -290,8 +310,20 @@ def gather_hosts(host: str, distributed: bool) -> list[str]:
         import torch.distributed as dist
 
         hosts = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, host)
+        dist.all_gather_object(hosts, host, group=side_group())
     return list(dict.fromkeys(str(h) for h in hosts))
+
+
+def gather_to_main(obj: Any, env: DistEnv, distributed: bool) -> list[Any]:
+    """Every rank's ``obj`` (picklable, on the CPU) in rank order on rank 0, [] on the others;
+    over the gloo side group, so no rank unpickles another's state onto its own GPU."""
+    if not distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * env.world_size if env.is_main else None
+    dist.gather_object(obj, out, dst=0, group=side_group())
+    return out if out is not None else []
 
 
 def versions() -> dict[str, str | None]:

@@ -9,9 +9,13 @@ The schedule maths (:func:`scaled_lr`, :func:`lr_factor`, :func:`make_plan`,
   ranks) only every ``train.log_every`` steps; the stop flag travels on a separate gloo group.
 * **Exact resume**: a checkpoint after step s holds everything needed to continue with step
   s+1 seeing the same batches, LR and RNG as an uninterrupted run.
-* **Strategies** are a small dispatch table (:data:`STRATEGIES`): DDP and FSDP2
-  (``fully_shard``; checkpoints hold full, unsharded state dicts); others raise a
-  ValidationError until they are added.
+* **One loop, strategies as plug-ins** (:class:`Strategy`, :data:`STRATEGIES`): DDP, FSDP2
+  (``fully_shard``; checkpoints hold full, unsharded state dicts) and Horovod differ only in how
+  the model and optimizer are wrapped, how gradient sync is paused during accumulation, and the
+  process group the engine keeps for itself; others raise a ValidationError.
+* **The first user of the public API's path**: set-up (device, process group, hosts), the
+  metrics records, the stop agreement, checkpoint files, the end record and requeue all go
+  through the :class:`~cyclone_kit.runtime.session.Session` that ``ck.init()`` & co. use too.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import contextlib
 import math
 import os
 import random
-import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -31,24 +34,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from cyclone_kit import __version__
 from cyclone_kit.config import JobSpec, TrainConfig
-from cyclone_kit.errors import CommandError, ValidationError
+from cyclone_kit.errors import ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import Data, auto_workers, build_data
-from cyclone_kit.runtime.dist import (
-    DeviceChoice,
-    init_process_group,
-    probe_device,
-    setup_threads,
-    side_group,
-    warn,
-    worker_cpus,
-)
+from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
+from cyclone_kit.runtime.session import Session, open_session
+from cyclone_kit.runtime.signals import NONE, StopFlag
 
 
 # --------------------------------------------------------------------------- pure schedule maths
@@ -218,11 +213,43 @@ def _shard_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-#: strategy name -> wrap(model, device, train, distributed) -> model. Add Horovod/pipeline here.
-STRATEGIES: dict[str, Callable[[nn.Module, DeviceChoice, TrainConfig, bool], nn.Module]] = {
-    "ddp": _wrap_ddp,
-    "fsdp": _wrap_fsdp,
-    "horovod": lambda *args: _hvd().wrap_horovod(*args),
+def _no_sync(wrapped: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+    return getattr(wrapped, "no_sync", None)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A plug-in of the one training loop: what differs between DDP, FSDP and Horovod.
+
+    Attributes:
+        wrap: ``(model, device, train, distributed) -> model`` for the forward/backward.
+        no_sync: ``wrapped -> (() -> context)`` pausing gradient sync during accumulation, or None.
+        sharded: parameters are sharded (state dicts are collectives; validation forwards padded).
+        pg_backend: the engine's own process group backend instead of the device's (Horovod moves
+            the gradients itself; the engine's group carries only the loss, stop flag and checkpoints).
+        prepare_env: ``(env, environ, timeout_s) -> env`` before set-up (Horovod: ``hvd.init()``).
+        optimizer: ``(optimizer, model, train) -> optimizer`` (Horovod's DistributedOptimizer).
+    """
+
+    wrap: Callable[[nn.Module, DeviceChoice, TrainConfig, bool], nn.Module]
+    no_sync: Callable[[nn.Module], Any] = _no_sync
+    sharded: bool = False
+    pg_backend: str | None = None
+    prepare_env: Callable[[DistEnv, Mapping[str, str], int], DistEnv] | None = None
+    optimizer: Callable[[Any, nn.Module, TrainConfig], Any] | None = None
+
+    def __call__(self, model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
+        """``wrap`` (a Strategy is called like the wrap function it carries)."""
+        return self.wrap(model, device, train, distributed)
+
+
+#: strategy name -> its plug-in of the one loop (the pipeline has a loop of its own: :data:`ENGINES`).
+STRATEGIES: dict[str, Strategy] = {
+    "ddp": Strategy(_wrap_ddp),
+    "fsdp": Strategy(_wrap_fsdp, no_sync=lambda wrapped: _fsdp_no_sync(wrapped), sharded=True),
+    "horovod": Strategy(lambda *args: _hvd().wrap_horovod(*args), no_sync=lambda wrapped: None, pg_backend="gloo",
+                        prepare_env=lambda env, environ, timeout: _hvd().horovod_env(env, environ, timeout),
+                        optimizer=lambda opt, model, tc: _hvd().distributed_optimizer(opt, model, tc)),
 }
 
 
@@ -243,18 +270,27 @@ def _pipeline_engine() -> Callable[..., str]:
 ENGINES: dict[str, Callable[[], Callable[..., str]]] = {"pipeline": _pipeline_engine}
 
 
+def strategy_for(name: str) -> Strategy:
+    """The plug-in of ``name``.
+
+    Raises:
+        ValidationError: the strategy is not available in this runtime yet.
+    """
+    if name not in STRATEGIES:
+        raise ValidationError(
+            f"train.strategy {name!r} is not available yet in the cyclone_kit runtime",
+            hint=f"use one of: {', '.join(STRATEGIES)}",
+        )
+    return STRATEGIES[name]
+
+
 def wrap_model(strategy: str, model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
     """Wrap ``model`` for ``strategy``.
 
     Raises:
         ValidationError: the strategy is not available in this runtime yet.
     """
-    if strategy not in STRATEGIES:
-        raise ValidationError(
-            f"train.strategy {strategy!r} is not available yet in the cyclone_kit runtime",
-            hint=f"use one of: {', '.join(STRATEGIES)}",
-        )
-    return STRATEGIES[strategy](model, device, train, distributed)
+    return strategy_for(strategy).wrap(model, device, train, distributed)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -273,39 +309,28 @@ class _Window:
     data_s: float = 0.0
 
 
-def start_record(run_dir: Path, env: DistEnv, environ: Mapping[str, str], plan: Any, tc: Any, *, precision: str,
-                 strategy: str, launcher: str, device: Any, hostnames: list[str], threads: int, step: int,
-                 **extra: Any) -> dict[str, Any]:
-    """The metrics contract's ``start`` record of one run segment (shared by every engine)."""
-    return mx.record(
-        "start", run_id=run_dir.name, world_size=env.world_size, num_nodes=env.num_nodes,
-        local_world_size=env.local_world_size, per_device_batch_size=plan.per_device_batch,
-        global_batch_size=plan.global_batch, model=tc.model, dataset=tc.dataset, precision=precision,
-        strategy=strategy, launcher=launcher, device=device.kind, device_name=device.name,
-        hostnames=hostnames, slurm_job_id=environ.get("SLURM_JOB_ID") if under_slurm(environ) else None,
-        time=mx.utc_now(), versions=_versions(),
-        git_commit=mx.git_commit(environ.get("SLURM_SUBMIT_DIR") or os.getcwd()) if env.is_main else None,
-        restart_count=env.restart_count, grad_accum=plan.grad_accum, lr=plan.lr, total_steps=plan.total_steps,
-        threads=threads, start_step=step, **extra,
-    )
+def engine_start_fields(plan: Any, tc: Any, *, precision: str, strategy: str, step: int,
+                        **extra: Any) -> dict[str, Any]:
+    """The ``start`` record's fields an engine adds to the session's (batch sizes, model, schedule)."""
+    return dict(per_device_batch_size=plan.per_device_batch, global_batch_size=plan.global_batch, model=tc.model,
+                dataset=tc.dataset, precision=precision, strategy=strategy, grad_accum=plan.grad_accum, lr=plan.lr,
+                total_steps=plan.total_steps, start_step=step, **extra)
 
 
-def begin_segment(run_dir: Path, env: DistEnv, environ: Mapping[str, str], plan: Any, tc: Any, stop_flag: Any, *,
-                  step: int, **start: Any) -> mx.MetricsWriter | None:
-    """Open a run segment: its metrics writer with the ``start`` record written (rank 0 writes).
+def begin_segment(session: Session, plan: Any, tc: Any, *, step: int, **start: Any) -> bool:
+    """Open a run segment: the ``start`` record written (rank 0) through the session.
 
-    Returns None, after releasing the stop signal, when the newest checkpoint is already at the
+    Returns False, after releasing the stop signal, when the newest checkpoint is already at the
     last step (a requeued or resumed run that has nothing left to do).
     """
     if step >= plan.total_steps:
-        if env.is_main:
+        if session.env.is_main:
             print(f"cyclone_kit: the newest checkpoint is at step {step} of {plan.total_steps}: nothing to do",
                   flush=True)
-        stop_flag.uninstall()
-        return None
-    writer = mx.MetricsWriter(run_dir / mx.METRICS_FILE if env.is_main else None)
-    writer.write(start_record(run_dir, env, environ, plan, tc, step=step, **start))
-    return writer
+        session.stop_flag.uninstall()
+        return False
+    session.begin(**engine_start_fields(plan, tc, step=step, **start))
+    return True
 
 
 def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
@@ -326,26 +351,22 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     tc, cc = spec.train, spec.checkpoint
+    strategy = strategy_for(tc.strategy)
     stop_flag = stop_flag or StopFlag(cc.signal).install()
-    if tc.strategy == "horovod":  # hvd.init(); ranks, local rank (device) and side channel from Horovod
-        env = _hvd().horovod_env(env, environ, tc.pg_timeout_s)
-    threads = setup_threads(environ)
-    device = probe_device(env, environ)
-    if device.warning and env.local_rank == 0:
-        warn(device.warning)
-    dev = torch.device(device.torch_device)
+    if strategy.prepare_env is not None:  # Horovod: hvd.init(); ranks, local rank (device) and side channel
+        env = strategy.prepare_env(env, environ, tc.pg_timeout_s)
     _seed_everything(tc.seed)
+    # Threads, device, process group (Horovod: a gloo one of the engine's own), hosts, stop agreement.
+    session = open_session(env, environ, run_dir, cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
+                           t_start=t_start, backend=strategy.pg_backend)
+    device, distributed = session.device, session.distributed
+    dev = torch.device(device.torch_device)
     if tc.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
     elif device.kind == "cuda":
         torch.backends.cudnn.benchmark = True
-    # Horovod moves the gradients; the engine's own group (stop flag, loss, checkpoints) is gloo.
-    distributed = init_process_group(env, device, tc.pg_timeout_s,
-                                     backend="gloo" if tc.strategy == "horovod" else None)
-    host = env.host or socket.gethostname()
-    hostnames = _gather_hosts(host, distributed)
 
     channels_last = tc.channels_last and device.kind == "cuda"
     workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
@@ -357,73 +378,60 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     model = place_model(build_model(tc.model, data.info.num_classes, data.info.image_size, data.info.channels),
                         dev, tc.strategy, channels_last)
     _seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
-    wrapped = wrap_model(tc.strategy, model, device, tc, distributed)
+    wrapped = strategy.wrap(model, device, tc, distributed)
     runner = torch.compile(wrapped) if tc.compile else wrapped
     optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    if tc.strategy == "horovod":
-        optimizer = _hvd().distributed_optimizer(optimizer, model, tc)
+    if strategy.optimizer is not None:
+        optimizer = strategy.optimizer(optimizer, model, tc)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, plan.warmup_steps, plan.total_steps))
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
 
-    ckpt_dir = run_dir / "checkpoints"
     step = 0
     if cc.resume:
-        found = _agreed_checkpoint(ckpt_dir, env, distributed)
+        found = session.load_latest()  # chosen by rank 0, loaded by every rank: all resume from one step
         if found is not None:
             state, path = found
             step = _restore(state, model, optimizer, scheduler, scaler, env,
-                            sharded=tc.strategy == "fsdp" and distributed, folder=path.parent)
+                            sharded=strategy.sharded and distributed, folder=path.parent)
             if env.is_main:
                 print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
-    launcher = environ.get("CYCLONE_LAUNCHER") or env.launcher
-    writer = begin_segment(run_dir, env, environ, plan, tc, stop_flag, precision=precision, strategy=tc.strategy,
-                           launcher=launcher, device=device, hostnames=hostnames, threads=threads, step=step)
-    if writer is None:
+    launcher = session.launcher
+    if not begin_segment(session, plan, tc, precision=precision, strategy=tc.strategy, step=step):
         return "completed"
     if env.is_main:
         print(f"cyclone_kit: {tc.model} on {tc.dataset}, world {env.world_size} ({env.num_nodes} node(s), "
               f"{launcher}), {device.kind} {precision}, global batch {plan.global_batch}, lr {plan.lr:g}, "
               f"steps {step}->{plan.total_steps}", flush=True)
 
-    loop = _Loop(spec, run_dir, env, environ, device, dev, data, plan, precision, model, runner, wrapped,
-                 optimizer, scheduler, scaler, writer, stop_flag, distributed, hostnames, host)
+    loop = _Loop(spec, session, strategy, dev, data, plan, precision, model, runner, wrapped, optimizer, scheduler,
+                 scaler)
     try:
-        status = loop.run(step, t_start)
+        return loop.run(step)
     except BaseException:
-        writer.write(mx.end_record("failed", loop.step, mx.steady_state(loop.global_rates), time.perf_counter()
-                                   - t_start, mx.utc_now()))
-        writer.close()
-        stop_flag.uninstall()
+        session.end("failed", loop.step, plan.total_steps)
         raise
-    writer.close()
-    stop_flag.uninstall()
-    return status
 
 
 class _Loop:
     """The mutable state of one training segment (private; built by :func:`train`)."""
 
-    def __init__(self, spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
-                 device: DeviceChoice, dev: torch.device, data: Data, plan: Plan, precision: str,
-                 model: nn.Module, runner: nn.Module, wrapped: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, scaler: Any, writer: mx.MetricsWriter, stop_flag: StopFlag,
-                 distributed: bool, hostnames: list[str], host: str) -> None:
+    def __init__(self, spec: JobSpec, session: Session, strategy: Strategy, dev: torch.device, data: Data, plan: Plan,
+                 precision: str, model: nn.Module, runner: nn.Module, wrapped: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any) -> None:
         self.spec, self.tc, self.cc = spec, spec.train, spec.checkpoint
-        self.run_dir, self.env, self.environ = run_dir, env, environ
-        self.device, self.dev, self.data, self.plan = device, dev, data, plan
+        self.session, self.strategy = session, strategy
+        self.run_dir, self.env, self.environ = session.run_dir, session.env, session.environ
+        self.device, self.dev, self.data, self.plan = session.device, dev, data, plan
         self.model, self.runner, self.wrapped = model, runner, wrapped
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
-        self.writer, self.stop_flag, self.distributed = writer, stop_flag, distributed
-        self.host = host
+        self.distributed = session.distributed
         self.step = 0
-        self.global_rates: list[float] = []
-        self.local_rates: list[float] = []
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.autocast = (lambda: torch.autocast(device_type=dev.type, dtype=dtype)) if dtype else contextlib.nullcontext
         self.criterion = nn.CrossEntropyLoss()
-        self.sharded = spec.train.strategy == "fsdp" and distributed
-        self.no_sync = _fsdp_no_sync(wrapped) if self.sharded else getattr(wrapped, "no_sync", None)
+        self.sharded = strategy.sharded and session.distributed
+        self.no_sync = strategy.no_sync(wrapped) if session.distributed else None
         self.bar: Any = None
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
@@ -442,16 +450,15 @@ class _Loop:
                 else:
                     loss.backward()
             loss_sum = loss_sum + loss.detach().float()
-        optimizer_step(self.optimizer, self.scaler, horovod=self.tc.strategy == "horovod")
+        optimizer_step(self.optimizer, self.scaler, horovod=self.strategy.optimizer is not None)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss_sum
 
-    def run(self, start_step: int, t_start: float) -> str:
+    def run(self, start_step: int) -> str:
         """Train from ``start_step`` to the plan's end or an agreed stop; returns the status."""
-        plan, tc, cc, env = self.plan, self.tc, self.cc, self.env
+        plan, tc, cc, env, session = self.plan, self.tc, self.cc, self.env, self.session
         self.step = step = start_step
-        agreement = StopAgreement(self.stop_flag, self.distributed, interval_s=cc.poll_s)
         epoch = step // plan.steps_per_epoch
         self._start_epoch(epoch, step)
         batches = iter(self.data.train)
@@ -472,7 +479,7 @@ class _Loop:
                 self._log(step, epoch, loss_sum, window)
                 loss_sum = torch.zeros((), device=self.dev)
                 window = _Window(time.perf_counter())
-            agreed = agreement.poll(step)
+            agreed = session.poll(step)
             if agreed != NONE:
                 break
             if cc.every_steps and step % cc.every_steps == 0 and step < plan.total_steps:
@@ -484,22 +491,15 @@ class _Loop:
                     self._start_epoch(epoch, step)
                     batches = iter(self.data.train)
                     epoch_t0 = time.perf_counter()
-        agreement.finish()
+        session.settle()
         if self.bar is not None:
             self.bar.close()
         if agreed == NONE and step % plan.steps_per_epoch:
             self._end_epoch(epoch, time.perf_counter() - epoch_t0, validate=tc.val_every_epochs > 0)
         self._checkpoint(step, epoch)
         status = "completed" if agreed == NONE else "preempted"
-        wall = time.perf_counter() - t_start
-        self.writer.write(mx.end_record(status, step, mx.steady_state(self.global_rates), wall, mx.utc_now()))
-        self._rank_summary()
-        if env.is_main:
-            rate = mx.steady_state(self.global_rates)
-            print(f"cyclone_kit: {status} at step {step}/{plan.total_steps} in {wall:.1f} s"
-                  + (f", {rate:.1f} samples/s" if rate else ""), flush=True)
-        if agreed != NONE:
-            self._after_stop(agreed)
+        # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
+        session.end(status, step, plan.total_steps)
         return status
 
     def _start_epoch(self, epoch: int, step: int) -> None:
@@ -520,11 +520,8 @@ class _Loop:
         value = float(loss.item())  # the only host sync: once per log window
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         n = window.steps
-        global_rate = self.plan.global_batch * n / elapsed
-        self.global_rates.append(global_rate)
-        self.local_rates.append(self.plan.per_device_batch * self.plan.grad_accum * n / elapsed)
-        self.writer.write(mx.step_record(step, epoch, value, elapsed / n, window.data_s / n, global_rate,
-                                         mx.utc_now()))
+        global_rate = self.session.log_window(step, epoch, value, n, elapsed, window.data_s, self.plan.global_batch * n,
+                                              self.plan.per_device_batch * self.plan.grad_accum * n)
         if self.env.is_main:
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{global_rate:.0f}")
@@ -535,7 +532,7 @@ class _Loop:
 
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
         accuracy = self._validate() if validate and self.data.val is not None else None
-        self.writer.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
+        self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
         if self.env.is_main and accuracy is not None:
             print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
 
@@ -575,7 +572,7 @@ class _Loop:
         return torch.zeros(1, info.channels, info.image_size, info.image_size, device=self.dev)
 
     def _checkpoint(self, step: int, epoch: int) -> None:
-        rngs = gather_to_main(ckpt.capture_rng(), self.env, self.distributed)
+        rngs = self.session.gather_to_main(ckpt.capture_rng())
         model_state: Any = None
         optim_state: Any = None
         optim_format = "torch"
@@ -596,6 +593,7 @@ class _Loop:
             optim_state, optim_format = get_optimizer_state_dict(self.model, self.optimizer, options=full), "fqn"
         elif self.env.is_main:
             model_state, optim_state = unwrap(self.model).state_dict(), self.optimizer.state_dict()
+        state: dict[str, Any] | None = None
         if self.env.is_main:
             state = {
                 "model": model_state,
@@ -613,38 +611,13 @@ class _Loop:
             }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.cc.keep)
-            if optim_format == "dcp":
-                from cyclone_kit.runtime import fsdp_ckpt
+        prune = None
+        if optim_format == "dcp":
+            from cyclone_kit.runtime import fsdp_ckpt
 
-                fsdp_ckpt.prune(self.run_dir / "checkpoints")
-        if self.distributed:  # the others wait while rank 0 writes and fsyncs: on gloo, off NCCL's watchdog
-            import torch.distributed as dist
-
-            dist.barrier(group=side_group())
-
-    def _rank_summary(self) -> None:
-        peak = None
-        if self.device.kind == "cuda":
-            peak = int(torch.cuda.max_memory_allocated(self.dev))
-        else:
-            import resource
-
-            peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-        mx.write_rank_summary(self.run_dir, self.env.rank, self.host, self.device.torch_device,
-                              mx.steady_state(self.local_rates), peak)
-
-    def _after_stop(self, agreed: int) -> None:
-        if not self.env.is_main:
-            return
-        yes, why = should_requeue(agreed, self.cc.requeue, self.env.restart_count, self.cc.max_requeues,
-                                  self.environ)
-        print(f"cyclone_kit: stopped on a signal after a checkpoint; {why}", flush=True)
-        if yes:
-            try:
-                requeue(self.environ)
-            except (CommandError, ValidationError) as e:
-                warn(f"requeue failed: {e}")
+            prune = fsdp_ckpt.prune
+        # Rank 0 writes it atomically (the newest checkpoint.keep kept); the others wait on the gloo side group.
+        self.session.save(state, step, after_write=prune)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -706,24 +679,6 @@ def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextMa
     return no_sync
 
 
-def _agreed_checkpoint(folder: Path, env: DistEnv, distributed: bool) -> tuple[dict[str, Any], Path] | None:
-    """The checkpoint to resume from, chosen by rank 0 (newest loadable) and loaded by every rank,
-    so all ranks resume from the same step even if one saw a file differently."""
-    if not distributed:
-        return ckpt.load_latest(folder)
-    import torch.distributed as dist
-
-    found = ckpt.load_latest(folder) if env.is_main else None
-    choice: list[Any] = [str(found[1]) if found else None]
-    dist.broadcast_object_list(choice, src=0, group=side_group())  # rank 0 may take minutes to load it
-    if choice[0] is None:
-        return None
-    if env.is_main:
-        return found
-    path = Path(choice[0])
-    return ckpt.load_checkpoint(path), path
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -733,41 +688,6 @@ def _seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
     except ImportError:
         pass
-
-
-def _gather_hosts(host: str, distributed: bool) -> list[str]:
-    """Every rank's host, deduplicated in rank order (rank 0's node first)."""
-    hosts = [host]
-    if distributed:
-        import torch.distributed as dist
-
-        hosts = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(hosts, host, group=side_group())
-    return list(dict.fromkeys(str(h) for h in hosts))
-
-
-def gather_to_main(obj: Any, env: DistEnv, distributed: bool) -> list[Any]:
-    """Every rank's ``obj`` (picklable, on the CPU) in rank order on rank 0, [] on the others;
-    over the gloo side group, so no rank unpickles another's state onto its own GPU."""
-    if not distributed:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] | None = [None] * env.world_size if env.is_main else None
-    dist.gather_object(obj, out, dst=0, group=side_group())
-    return out if out is not None else []
-
-
-def _versions() -> dict[str, str | None]:
-    """Versions for the start record; torchvision's from its metadata (importing it costs ~0.3-1 s)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    tv_module = sys.modules.get("torchvision")
-    try:
-        tv: str | None = tv_module.__version__ if tv_module is not None else version("torchvision")
-    except PackageNotFoundError:
-        tv = None
-    return {"torch": torch.__version__, "torchvision": tv, "cyclone_kit": __version__}
 
 
 def _progress(env: DistEnv, total: int, initial: int) -> Any:
