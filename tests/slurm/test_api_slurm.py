@@ -11,6 +11,7 @@ resumes it and it completes: every optimizer step logged exactly once across bot
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import textwrap
@@ -89,3 +90,6 @@ def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once
     assert "requeue 1 of at most 3" in out and "restart 1" in out, out[-3000:]
     assert next(s for s, _ in ckpt.list_checkpoints(run_dir / "checkpoints")) == stopped
     assert not list((run_dir / "ranks").glob("error-rank-*.json")), "a clean requeue is no failure"
+    when = [datetime.datetime.fromisoformat(r["time"]) for r in (ends[0], starts[1])]
+    print(f"ddp_ck.py job {job_id}: stopped at step {stopped}/{STEPS} on the signal; requeue round trip "
+          f"(preempted end record -> next start record) {(when[1] - when[0]).total_seconds():.1f} s")
