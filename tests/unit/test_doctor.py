@@ -259,7 +259,7 @@ def test_torch_import_failure_on_one_rank() -> None:
     reports = copy.deepcopy(_reports())
     reports[1]["torch"] = {"ok": False, "error": "ModuleNotFoundError: No module named 'torch'"}
     del reports[1]["bootstrap"], reports[1]["allreduce"]
-    check = doctor.check_torch_import(LOCAL_CPU, _result(reports))
+    check = doctor.check_torch_import(LOCAL_CPU, _result(reports), HOST)
     assert check.ok is False and check.detail == "import torch failed on rank(s) 1: ModuleNotFoundError: No module named 'torch'"
 
 
