@@ -444,11 +444,20 @@ def check_torch_import(job: ResolvedJob, result: SmokeResult, host: HostVersions
         return Check("torch_import", False, f"import torch failed on rank(s) {_short(ranks)}: {failed[0][1] or 'no error'}",
                      "install torch in the python the job uses, or load its module in the profile")
     versions = sorted({str(r["torch"].get("version")) for r in result.reports})
-    if host.torch and versions != [host.torch]:
+    if host.torch and not all(same_version(v, host.torch) for v in versions):
         return Check("torch_import", False, f"ranks import torch {', '.join(versions)}, the submit host has {host.torch}",
                      "use the same environment on both sides (profile setup / python)")
     return Check("torch_import", True, f"torch {', '.join(versions)} on {len(result.reports)} ranks"
                  + ("" if host.torch else " (no torch on the submit host to compare with)"))
+
+
+def same_version(a: str, b: str) -> bool:
+    """Equal versions; a missing local part matches any (``2.14.1`` and ``2.14.1+cu130``, not ``+cpu`` and ``+cu130``).
+
+    pip's metadata may drop the local part that ``torch.__version__`` keeps.
+    """
+    (pa, _, la), (pb, _, lb) = a.partition("+"), b.partition("+")
+    return pa == pb and (la == lb or not la or not lb)
 
 
 def _visible(report: Mapping[str, Any]) -> list[str]:

@@ -269,6 +269,16 @@ def test_version_mismatch_with_the_submit_host() -> None:
     assert checks["torch_import"].ok is False and "the submit host has 1.12.1" in checks["torch_import"].detail
 
 
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("2.14.1", "2.14.1+cu130", True),
+    ("2.14.1+cu130", "2.14.1+cu130", True),
+    ("2.14.1+cpu", "2.14.1+cu130", False),
+    ("2.14.0", "2.14.1", False),
+])
+def test_same_version(a: str, b: str, same: bool) -> None:
+    assert doctor.same_version(a, b) is same and doctor.same_version(b, a) is same
+
+
 def test_gpus_per_task() -> None:
     job = doctor_request("local", "gpu", 2, "")  # 4 fake GPUs per node, 4 tasks per node
     reports = copy.deepcopy(_reports())
