@@ -2,10 +2,12 @@
 
 Inputs are real: tests/unit/slurm_output/ holds byte-exact output of the local Slurm 22.05 test
 cluster (``scontrol -o show partition``, ``scontrol -o show node``, ``scontrol show node g1``,
-``scontrol show config`` without accounting, ``sacctmgr ... show assoc`` with and without
-slurmdbd), and tests/unit/doctor_reports/ holds the rank reports a real smoke job wrote
-(``cyclone-kit doctor --profile local --partition cpu --nodes 2`` on that cluster). Failing
-cases are those real records with one fact changed.
+``scontrol show config`` and ``sacctmgr ... show assoc`` without slurmdbd), and
+tests/unit/doctor_reports{,_gpu}/ hold the rank reports real smoke jobs wrote (``cyclone-kit
+doctor --profile local --partition cpu|gpu --nodes 2`` on that cluster). Failing cases are those
+real records with one fact changed. sacctmgr_assoc_root.txt is sacctmgr's ``--parsable2`` format
+(Cluster|Account|User|Partition) for the associations ``sacctmgr add cluster`` creates (root's);
+tests/slurm/test_accounting.py reads the live one.
 To recapture: run the commands that :mod:`cyclone_kit.slurm.cluster`'s argv builders print, and
 copy ``runs/ck-doctor-*/doctor/rank-*.json`` after a doctor run.
 """
@@ -31,6 +33,7 @@ from tests.conftest import REPO
 
 OUTPUT = Path(__file__).parent / "slurm_output"
 REPORTS = Path(__file__).parent / "doctor_reports"
+REPORTS_GPU = Path(__file__).parent / "doctor_reports_gpu"
 GOLDEN = REPO / "tests" / "golden"
 
 
@@ -279,19 +282,25 @@ def test_same_version(a: str, b: str, same: bool) -> None:
     assert doctor.same_version(a, b) is same and doctor.same_version(b, a) is same
 
 
-def test_gpus_per_task() -> None:
-    job = doctor_request("local", "gpu", 2, "")  # 4 fake GPUs per node, 4 tasks per node
-    reports = copy.deepcopy(_reports())
-    for r in reports:
-        r["cuda_visible_devices"] = "0,1,2,3"
-    check = doctor.check_gpus_per_task(job, _result(reports))
-    assert check.ok is False and "CUDA_VISIBLE_DEVICES=0,1,2,3 but torch sees 0 GPU(s)" in check.detail
+def test_gpus_per_task_on_fake_gpus() -> None:
+    # Real reports of `doctor --profile local --partition gpu --nodes 2`: --gres=gpu:4, 4 tasks per node,
+    # each task sees the node's 4 (fake) devices, and torch, finding no driver, sees none.
+    job = doctor_request("local", "gpu", 2, "")
+    reports = [json.loads(p.read_text()) for p in sorted(REPORTS_GPU.glob("rank-*.json"))]
+    assert {r["cuda_visible_devices"] for r in reports} == {"0,1,2,3"}
+    checks = _live(_result(reports), job=job)
+    assert checks["gpus_per_task"].ok is False
+    assert checks["gpus_per_task"].detail == "rank 0: CUDA_VISIBLE_DEVICES=0,1,2,3 but torch sees 0 GPU(s) (ranks 0-7)"
+    assert checks["bootstrap"].ok and "world size 8, ranks 0-7 on g1, g2" in checks["bootstrap"].detail
+    assert checks["allreduce"].ok and checks["allreduce"].detail.startswith("gloo, 8 ranks on 2 node(s)")
+    # with a driver torch would see them all: passes
     for r in reports:
         r["torch"]["cuda_device_count"] = 4
     assert doctor.check_gpus_per_task(job, _result(reports)).ok
-    reports[0]["cuda_visible_devices"] = None
+    # a task without CUDA_VISIBLE_DEVICES (GPUs not requested the way the cluster expects)
+    reports[5]["cuda_visible_devices"] = None
     unset = doctor.check_gpus_per_task(job, _result(reports))
-    assert unset.ok is False and "CUDA_VISIBLE_DEVICES=(unset)" in unset.detail
+    assert unset.ok is False and "rank 5 has CUDA_VISIBLE_DEVICES=(unset)" in unset.detail
 
 
 def test_bootstrap_failures() -> None:
