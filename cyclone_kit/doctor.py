@@ -437,8 +437,13 @@ def check_torch_import(job: ResolvedJob, result: SmokeResult, host: HostVersions
         cause = error_line(result.stderr) or "no error output"
         return Check("torch_import", False, f"rank(s) {_short(missing)} never got to import torch: {cause}",
                      "fix the profile's setup / modules so that python starts and imports torch on the nodes")
-    failed = [(r, rep["torch"].get("error", "")) for r, rep in ((_rank_of(x), x) for x in result.reports)
-              if not rep.get("torch", {}).get("ok")]
+    unfinished = [_rank_of(r) for r in result.reports if "torch" not in r]
+    if unfinished:
+        return Check("torch_import", False, f"import torch never finished on rank(s) {_short(unfinished)} "
+                     "(killed or hung while importing)",
+                     "time `python -c 'import torch'` on a compute node: a slow shared file system or a hung "
+                     "CUDA driver shows here")
+    failed = [(_rank_of(r), r["torch"].get("error", "")) for r in result.reports if not r["torch"].get("ok")]
     if failed:
         ranks = [r for r, _ in failed]
         return Check("torch_import", False, f"import torch failed on rank(s) {_short(ranks)}: {failed[0][1] or 'no error'}",
@@ -509,6 +514,12 @@ def check_bootstrap(job: ResolvedJob, result: SmokeResult) -> Check:
         return Check("bootstrap", False, f"rank(s) {_short(ranks)}: {errors[0][1]}"
                      + (f"; TCP to the master: {connect}" if connect else ""),
                      "check MASTER_ADDR/MASTER_PORT (cyclone-kit env inside the job) and that every rank started")
+    hung = [_rank_of(r) for r in reports if "init_ok" not in r["bootstrap"]]
+    if hung:
+        return Check("bootstrap", False, f"rank(s) {_short(hung)} never finished joining the process group "
+                     "(killed or hung in init_process_group)",
+                     "a rank that never starts keeps the others waiting: see the python and torch_import checks "
+                     "and the job's logs")
     boots = [r["bootstrap"] for r in reports]
     sizes = sorted({b.get("world_size") for b in boots})
     ranks = sorted(b.get("rank") for b in boots)
@@ -534,9 +545,15 @@ def check_bootstrap(job: ResolvedJob, result: SmokeResult) -> Check:
 
 def check_allreduce(job: ResolvedJob, result: SmokeResult) -> Check:
     """An all-reduce across every rank gives the right sum; its bus bandwidth and latency are reported."""
-    reports = [r for r in result.reports if "allreduce" in r]
-    if not reports:
+    joined = [r for r in result.reports if r.get("bootstrap", {}).get("init_ok")]
+    if not joined:
         return _not_checked("allreduce", "no rank got a process group")
+    unfinished = [_rank_of(r) for r in joined if not r.get("done") and not r.get("allreduce", {}).get("error")]
+    if unfinished:
+        return Check("allreduce", False, f"the all-reduce never finished on rank(s) {_short(unfinished)} "
+                     "(killed or hung)", "a hang here is the network: check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME "
+                     "and the firewall between the nodes")
+    reports = [r for r in joined if "allreduce" in r]
     errors = [(_rank_of(r), r["allreduce"]["error"]) for r in reports if r["allreduce"].get("error")]
     if errors:
         return Check("allreduce", False, f"all-reduce failed on rank(s) {_short([r for r, _ in errors])}: {errors[0][1]}",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cyclone_kit.proc import run_command
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slurm
@@ -106,3 +107,19 @@ def test_partition_missing_from_the_cluster(slurm_cluster: dict, tmp_path: Path)
     checks = by_name(checks)
     assert checks["partition"]["ok"] is False and "'bigmem' does not exist" in checks["partition"]["detail"]
     assert checks["smoke_job"]["ok"] is None
+
+
+def test_a_job_that_never_starts_is_cancelled_at_the_wait_timeout(slurm_cluster: dict, tmp_path: Path) -> None:
+    # SBATCH_TIMELIMIT (which beats #SBATCH --time) above the partition's MaxTime: Slurm accepts the job
+    # and it pends (PartitionTimeLimit) however long doctor waits.
+    out = run_cli("doctor", "--profile", "local", "--partition", "cpu", "--nodes", "1", "--wait-timeout", "1", "--json",
+                  "--runs-dir", str(tmp_path), env={"SBATCH_TIMELIMIT": "2-00:00:00"}, timeout=120)
+    assert out.returncode == 1, out.stderr
+    smoke = by_name(json.loads(out.stdout))["smoke_job"]
+    assert smoke["ok"] is False
+    assert "still PENDING when doctor stopped waiting (reason: PartitionTimeLimit); it was cancelled" in smoke["detail"]
+    assert "--wait-timeout" in smoke["hint"]
+    (run_dir,) = tmp_path.glob("ck-doctor-*")
+    job_id = (run_dir / "job_id").read_text().strip()
+    state = run_command(["squeue", "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"]).stdout.strip()
+    assert state == "CANCELLED"

@@ -266,6 +266,26 @@ def test_torch_import_failure_on_one_rank() -> None:
     assert check.ok is False and check.detail == "import torch failed on rank(s) 1: ModuleNotFoundError: No module named 'torch'"
 
 
+def test_reports_cut_short_by_a_kill_or_hang() -> None:
+    # a rank's report is rewritten after each stage: a killed rank leaves the last stage it finished
+    reports = copy.deepcopy(_reports())
+    for key in ("torch", "bootstrap", "allreduce", "done"):
+        del reports[1][key]
+    checks = _live(_result(reports, state="CANCELLED"))
+    assert checks["torch_import"].detail == "import torch never finished on rank(s) 1 (killed or hung while importing)"
+    reports = copy.deepcopy(_reports())
+    reports[0]["bootstrap"] = {k: v for k, v in reports[0]["bootstrap"].items() if k not in ("init_ok", "init_s")}
+    del reports[0]["allreduce"], reports[0]["done"]
+    checks = _live(_result(reports, state="TIMEOUT"))
+    assert checks["bootstrap"].ok is False and "rank(s) 0 never finished joining" in checks["bootstrap"].detail
+    reports = copy.deepcopy(_reports())
+    reports[1]["allreduce"] = {"backend": "gloo", "world_size": 2}  # killed inside the all-reduce
+    del reports[1]["done"]
+    checks = _live(_result(reports, state="TIMEOUT"))
+    assert checks["allreduce"].ok is False and "never finished on rank(s) 1" in checks["allreduce"].detail
+    assert checks["torch_import"].ok and checks["python"].ok
+
+
 def test_version_mismatch_with_the_submit_host() -> None:
     checks = _live(_result(), host=HostVersions(python="3.9.0", torch="1.12.1"))
     assert checks["python"].ok is False and "the submit host 3.9.0" in checks["python"].detail
