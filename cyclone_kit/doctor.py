@@ -341,6 +341,10 @@ _SHELL_ERR = re.compile(r"(command not found|No such file or directory|Permissio
                         r"failed|error)", re.IGNORECASE)
 
 
+_GENERIC = re.compile(r"^(srun: error: .*task \d+: (Exited with exit code|Killed|Terminated)|srun: (launch/|Job step)|"
+                      r"cyclone_kit: job )")
+
+
 def error_line(text: str) -> str:
     """The line of a job's stderr that says what went wrong ("" for none).
 
@@ -352,7 +356,7 @@ def error_line(text: str) -> str:
     for line in lines:
         if _EXC_LINE.match(line):
             return line
-    own = [line for line in lines if not line.startswith(("srun:", "slurmstepd:", "cyclone_kit: job"))]
+    own = [line for line in lines if not _GENERIC.match(line)]
     for line in own:
         if _SHELL_ERR.search(line):
             return line
@@ -604,7 +608,13 @@ def check_network(job: ResolvedJob, result: SmokeResult) -> Check:
 
 
 def live_checks(job: ResolvedJob, result: SmokeResult, host: HostVersions) -> list[Check]:
-    """Every check of the smoke job's rank reports, in report order."""
+    """Every check of the smoke job's rank reports, in report order.
+
+    A job that never ran (refused by sbatch, or still pending when doctor stopped waiting) gives
+    its one row: the per-rank checks would only repeat it.
+    """
+    if not result.job_id or (not result.finished and not result.reports):
+        return [check_smoke_job(job, result)]
     return [
         check_smoke_job(job, result),
         check_python(job, result, host),

@@ -252,6 +252,11 @@ def test_python_that_never_started_quotes_the_error_line() -> None:
     ("Traceback (most recent call last):\n  File \"x\", line 1\nImportError: libcudnn.so.9: cannot open shared object\n",
      "ImportError: libcudnn.so.9: cannot open shared object"),
     ("srun: error: c2: task 1: Exited with exit code 1\n", "srun: error: c2: task 1: Exited with exit code 1"),
+    # real: a profile whose python does not exist on the nodes
+    ("srun: error: c2: task 1: Exited with exit code 2\n"
+     "slurmstepd-c2: error: execve(): /nonexistent/bin/python3: No such file or directory\n"
+     "srun: error: c1: task 0: Exited with exit code 2\n",
+     "slurmstepd-c2: error: execve(): /nonexistent/bin/python3: No such file or directory"),
     ("", ""),
 ])
 def test_error_line(stderr: str, line: str) -> None:
@@ -356,6 +361,9 @@ def test_smoke_job_not_finished_or_refused() -> None:
     assert waited.ok is False and "still PENDING" in waited.detail and "--wait-timeout" in waited.hint
     refused = doctor.check_smoke_job(LOCAL_CPU, SmokeResult("", "", False, reason="sbatch rejected x"))
     assert refused.ok is False and "sbatch refused" in refused.detail
+    # a job that never ran is one row, not seven
+    assert doctor.live_checks(LOCAL_CPU, SmokeResult("", "", False, reason="x"), HOST) == [refused]
+    assert [c.check for c in doctor.live_checks(LOCAL_CPU, SmokeResult("9", "PENDING", False), HOST)] == ["smoke_job"]
 
 
 # --------------------------------------------------------------------------- output
