@@ -362,7 +362,7 @@ def test_smoke_job_not_finished_or_refused() -> None:
     refused = doctor.check_smoke_job(LOCAL_CPU, SmokeResult("", "", False, reason="sbatch rejected x"))
     assert refused.ok is False and "sbatch refused" in refused.detail
     # a job that never ran is one row, not seven
-    assert doctor.live_checks(LOCAL_CPU, SmokeResult("", "", False, reason="x"), HOST) == [refused]
+    assert doctor.live_checks(LOCAL_CPU, SmokeResult("", "", False, reason="sbatch rejected x"), HOST) == [refused]
     assert [c.check for c in doctor.live_checks(LOCAL_CPU, SmokeResult("9", "PENDING", False), HOST)] == ["smoke_job"]
 
 
