@@ -123,3 +123,16 @@ def test_a_job_that_never_starts_is_cancelled_at_the_wait_timeout(slurm_cluster:
     job_id = (run_dir / "job_id").read_text().strip()
     state = run_command(["squeue", "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"]).stdout.strip()
     assert state == "CANCELLED"
+
+
+def test_a_job_sbatch_refuses_is_one_row_and_leaves_no_run_dir(slurm_cluster: dict, tmp_path: Path) -> None:
+    # SBATCH_GRES (which beats the script's directives) asks GPUs of the cpu partition: sbatch refuses.
+    out = run_cli("doctor", "--profile", "local", "--partition", "cpu", "--nodes", "1", "--json",
+                  "--runs-dir", str(tmp_path), env={"SBATCH_GRES": "gpu:1"}, timeout=120)
+    assert out.returncode == 1, out.stderr
+    checks = json.loads(out.stdout)
+    assert checks[-1]["check"] == "smoke_job" and checks[-1]["ok"] is False
+    assert checks[-1]["detail"].startswith("sbatch refused the smoke job: sbatch rejected")
+    assert "node configuration is not available" in checks[-1]["detail"]
+    assert [c["check"] for c in checks].count("python") == 0
+    assert not list(tmp_path.glob("ck-doctor-*"))
