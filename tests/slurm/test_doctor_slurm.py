@@ -8,6 +8,9 @@ job's state.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +23,18 @@ pytestmark = pytest.mark.slurm
 LOCAL_PROFILE = (REPO / "cyclone_kit" / "profiles" / "local.toml").read_text()
 
 
+#: the CLI in a fresh interpreter, reporting at exit whether anything imported torch into it
+_NO_TORCH = ("import sys; from cyclone_kit.cli import main; rc = main(sys.argv[1:]); "
+             "sys.stderr.write(f'torch in the CLI process: {\"torch\" in sys.modules}\\n'); sys.exit(rc)")
+
+
 def doctor(*args: str, runs: Path) -> tuple[int, list[dict], str]:
     """Run ``cyclone-kit doctor ARGS --json``; returns (exit code, checks, stderr)."""
-    out = run_cli("doctor", *args, "--json", "--runs-dir", str(runs), timeout=300)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH, "doctor", *args, "--json", "--runs-dir", str(runs)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert out.returncode in (0, 1), out.stderr
+    assert "torch in the CLI process: False" in out.stderr  # only the job's ranks import torch
     return out.returncode, json.loads(out.stdout), out.stderr
 
 
