@@ -336,11 +336,9 @@ def request_problems(job: ResolvedJob, live: PartitionInfo | None, nodes: Sequen
 
 
 # --------------------------------------------------------------------------- live checks
-_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b.*")
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b:?.*")  # not warnings: torch prints many
 _SHELL_ERR = re.compile(r"(command not found|No such file or directory|Permission denied|not found|cannot|"
                         r"failed|error)", re.IGNORECASE)
-
-
 _GENERIC = re.compile(r"^(srun: error: .*task \d+: (Exited with exit code|Killed|Terminated)|srun: (launch/|Job step)|"
                       r"cyclone_kit: job )")
 
@@ -361,10 +359,6 @@ def error_line(text: str) -> str:
         if _SHELL_ERR.search(line):
             return line
     return (own or lines or [""])[-1]
-
-
-def _ranks(result: SmokeResult) -> str:
-    return f"{len(result.reports)} rank report(s)"
 
 
 def _expected_ranks(job: ResolvedJob) -> int:
@@ -406,7 +400,8 @@ def check_smoke_job(job: ResolvedJob, result: SmokeResult) -> Check:
     if not result.finished:
         return Check("smoke_job", False, f"{where} still {result.state} when doctor stopped waiting"
                      + (f" (reason: {result.reason})" if result.reason else "") + "; it was cancelled",
-                     "the partition is busy: run doctor again later, or give it longer with --wait-timeout")
+                     "Slurm's reason says what it waited for; run doctor again when the partition has room, "
+                     "or give it longer with --wait-timeout")
     expected = _expected_ranks(job)
     done = sum(1 for r in result.reports if r.get("done"))
     text = f"{where} {result.state} in {result.elapsed_s} s; {done}/{expected} ranks finished every stage"

@@ -257,6 +257,8 @@ def test_python_that_never_started_quotes_the_error_line() -> None:
      "slurmstepd-c2: error: execve(): /nonexistent/bin/python3: No such file or directory\n"
      "srun: error: c1: task 0: Exited with exit code 2\n",
      "slurmstepd-c2: error: execve(): /nonexistent/bin/python3: No such file or directory"),
+    ("/venv/lib/python3.11/site-packages/torch/cuda/__init__.py:63: UserWarning: CUDA initialization: no driver\n"
+     "RuntimeError: the probe failed\n", "RuntimeError: the probe failed"),
     ("", ""),
 ])
 def test_error_line(stderr: str, line: str) -> None:
