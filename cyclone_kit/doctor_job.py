@@ -167,7 +167,12 @@ def run_smoke_job(job: ResolvedJob, runs_dir: Path, *, wait_timeout_s: float, py
     deadline = time.monotonic() + wait_timeout_s
     last_state = ""
     while True:
-        info = backend.status(job_id)
+        try:
+            info = backend.status(job_id)
+        except CycloneError as e:  # the controller stopped answering mid-way
+            return SmokeResult(job_id, last_state or "UNKNOWN", False, f"lost contact with Slurm: {e.message}",
+                               reports=_read_reports(run_dir / "doctor"), stderr=_read_logs(run_dir / "logs", ".err"),
+                               run_dir=str(run_dir))
         if info.state.value != last_state:
             last_state = info.state.value
             progress(f"smoke job {job_id}: {last_state}" + (f" ({info.reason})" if info.reason else ""))
