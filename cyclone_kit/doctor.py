@@ -88,6 +88,7 @@ class SmokeResult:
         reports: the rank reports (parsed ``rank-<R>.json``), in rank order.
         stderr: the job's standard error (setup and srun messages, Python tracebacks).
         run_dir: where its script, logs and reports are.
+        cancelled: doctor cancelled it after waiting ``--wait-timeout`` seconds.
     """
 
     job_id: str
@@ -99,6 +100,7 @@ class SmokeResult:
     reports: tuple[Mapping[str, Any], ...] = ()
     stderr: str = ""
     run_dir: str = ""
+    cancelled: bool = False
 
 
 def _where(job: ResolvedJob) -> str:
@@ -399,7 +401,8 @@ def check_smoke_job(job: ResolvedJob, result: SmokeResult) -> Check:
     where = f"job {result.job_id}" + (f" on {result.nodelist}" if result.nodelist else "")
     if not result.finished:
         return Check("smoke_job", False, f"{where} still {result.state} when doctor stopped waiting"
-                     + (f" (reason: {result.reason})" if result.reason else "") + "; it was cancelled",
+                     + (f" (reason: {result.reason})" if result.reason else "")
+                     + ("; it was cancelled" if result.cancelled else ""),
                      "Slurm's reason says what it waited for; run doctor again when the partition has room, "
                      "or give it longer with --wait-timeout")
     expected = _expected_ranks(job)

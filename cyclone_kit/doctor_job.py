@@ -181,7 +181,8 @@ def run_smoke_job(job: ResolvedJob, runs_dir: Path, *, wait_timeout_s: float, py
         if time.monotonic() > deadline:
             backend.cancel(job_id)
             return SmokeResult(job_id, info.state.value, False, info.reason, info.elapsed, info.nodelist,
-                               _read_reports(run_dir / "doctor"), _read_logs(run_dir / "logs", ".err"), str(run_dir))
+                               _read_reports(run_dir / "doctor"), _read_logs(run_dir / "logs", ".err"), str(run_dir),
+                               cancelled=True)
         time.sleep(0.2)
     return SmokeResult(job_id, info.state.value, True, info.reason, info.elapsed, info.nodelist,
                        _read_reports(run_dir / "doctor"), _read_logs(run_dir / "logs", ".err"), str(run_dir))

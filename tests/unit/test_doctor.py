@@ -359,8 +359,11 @@ def test_allreduce_wrong_sum_and_network_variables() -> None:
 
 
 def test_smoke_job_not_finished_or_refused() -> None:
-    waited = doctor.check_smoke_job(LOCAL_CPU, SmokeResult("9", "PENDING", False, reason="Resources"))
-    assert waited.ok is False and "still PENDING" in waited.detail and "--wait-timeout" in waited.hint
+    waited = doctor.check_smoke_job(LOCAL_CPU, SmokeResult("9", "PENDING", False, reason="Resources", cancelled=True))
+    assert waited.ok is False and "--wait-timeout" in waited.hint
+    assert waited.detail == "job 9 still PENDING when doctor stopped waiting (reason: Resources); it was cancelled"
+    lost = doctor.check_smoke_job(LOCAL_CPU, SmokeResult("9", "RUNNING", False, reason="lost contact with Slurm: x"))
+    assert lost.detail == "job 9 still RUNNING when doctor stopped waiting (reason: lost contact with Slurm: x)"
     refused = doctor.check_smoke_job(LOCAL_CPU, SmokeResult("", "", False, reason="sbatch rejected x"))
     assert refused.ok is False and "sbatch refused" in refused.detail
     # a job that never ran is one row, not seven
