@@ -2,12 +2,11 @@
 
 Inputs are real: tests/unit/slurm_output/ holds byte-exact output of the local Slurm 22.05 test
 cluster (``scontrol -o show partition``, ``scontrol -o show node``, ``scontrol show node g1``,
-``scontrol show config`` and ``sacctmgr ... show assoc`` without slurmdbd), and
-tests/unit/doctor_reports{,_gpu}/ hold the rank reports real smoke jobs wrote (``cyclone-kit
-doctor --profile local --partition cpu|gpu --nodes 2`` on that cluster). Failing cases are those
-real records with one fact changed. sacctmgr_assoc_root.txt is sacctmgr's ``--parsable2`` format
-(Cluster|Account|User|Partition) for the associations ``sacctmgr add cluster`` creates (root's);
-tests/slurm/test_accounting.py reads the live one.
+``scontrol show config`` without accounting, and ``sacctmgr --noheader --parsable2 show assoc
+where user=root format=Cluster,Account,User,Partition`` with it: the association ``sacctmgr add
+cluster`` creates), and tests/unit/doctor_reports{,_gpu}/ hold the rank reports real smoke jobs
+wrote (``cyclone-kit doctor --profile local --partition cpu|gpu --nodes 2`` on that cluster).
+Failing cases are those real records with one fact changed.
 To recapture: run the commands that :mod:`cyclone_kit.slurm.cluster`'s argv builders print, and
 copy ``runs/ck-doctor-*/doctor/rank-*.json`` after a doctor run.
 """
