@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.proc import run_command
-from cyclone_kit.slurm import cluster
+from cyclone_kit.slurm import cluster, hostlist
 from cyclone_kit.slurm.states import JobState
 from tests.conftest import run_cli
 
@@ -26,7 +27,13 @@ Submit = Callable[..., tuple[str, Path]]
 
 
 def sacct_record(job_id: str, timeout: float = 30) -> dict[str, str]:
-    """The job's allocation record once slurmdbd has its end (it lands a moment after the job ends)."""
+    """The job's allocation record once slurmdbd has all of it.
+
+    The record is written in pieces after the job ends: seen on this cluster, a 2-node job's row
+    read ``COMPLETED|2|c1`` with its End time set for about half a second before its NodeList
+    became ``c[1-2]``. So wait until End is set, the NodeList has NNodes hosts and AllocTRES counts
+    them too (anyone reading sacct right after a job, e.g. for device-hours, must do the same).
+    """
     fields = ("JobID", "State", "NNodes", "NodeList", "ElapsedRaw", "Start", "End", "AllocTRES")
     deadline = time.monotonic() + timeout
     while True:
@@ -34,11 +41,17 @@ def sacct_record(job_id: str, timeout: float = 30) -> dict[str, str]:
                            f"--format={','.join(fields)}"]).stdout
         rows = [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line.strip()]
         row = next((r for r in rows if r["JobID"] == job_id), None)
-        if row is not None and row["End"] not in ("Unknown", ""):
+        if row is not None and row["End"] not in ("Unknown", "") and _settled(row):
             return row
         if time.monotonic() > deadline:
             pytest.fail(f"sacct has no finished record of job {job_id} after {timeout} s: {out!r}")
         time.sleep(0.2)
+
+
+def _settled(row: dict[str, str]) -> bool:
+    nodes = int(row["NNodes"])
+    hosts = hostlist.expand(row["NodeList"]) if row["NodeList"] not in ("", "None assigned") else []
+    return len(hosts) == nodes and tres(row["AllocTRES"]).get("node") == str(nodes)
 
 
 def tres(text: str) -> dict[str, str]:
@@ -63,13 +76,20 @@ def test_sacct_records_allocation_and_elapsed(slurm_accounting: str, backend: Sl
 
 
 def test_sacct_reports_gpus_of_a_gpu_job(slurm_accounting: str, backend: SlurmBackend, submit: Submit) -> None:
+    # Device-hours from sacct (issue 15) need the GPUs in AllocTRES; Slurm counts gres/gpu there only
+    # when slurm.conf lists it in AccountingStorageTRES (fatal without slurmdbd, so only with accounting).
+    config = cluster.parse_config(run_command(cluster.scontrol_show_config()).stdout)
+    if "gres/gpu" not in config.get("AccountingStorageTRES", ""):
+        message = ("AccountingStorageTRES lacks gres/gpu, so sacct cannot count GPUs: scripts/local-slurm.sh "
+                   "--with-accounting must write AccountingStorageTRES=gres/gpu into slurm.conf")
+        if os.environ.get("CK_REQUIRE_ACCOUNTING") == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
     job_id, _ = submit("srun true", name="acctgpu", partition="gpu", nodes="1", gres="gpu:2")
     assert backend.wait(job_id, timeout=60).state is JobState.COMPLETED
     alloc = tres(sacct_record(job_id)["AllocTRES"])
     print("AllocTRES of a --gres=gpu:2 job:", alloc)
-    assert alloc.get("gres/gpu") == "2", (
-        "sacct does not count GPUs: the cluster needs AccountingStorageTRES=gres/gpu in slurm.conf "
-        f"(scripts/local-slurm.sh, accounting branch); AllocTRES={alloc}")
+    assert alloc.get("gres/gpu") == "2", alloc
 
 
 def test_doctor_checks_the_account_association(slurm_accounting: str, tmp_path: Path) -> None:
