@@ -19,9 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "variables. Exit 0 when every check passed, 1 when one failed, 2 for bad input.",
     )
     p.add_argument("--profile", default="cyclone", help="cluster profile name or .toml path (default: cyclone)")
-    p.add_argument("--partition", default="", help="partition (default: the profile's default)")
+    p.add_argument("--partition", help="partition (default: the profile's default)")
     p.add_argument("--nodes", type=int, default=None, help="nodes for the smoke job (default: 2, or 1 on a one-node partition)")
-    p.add_argument("--account", default="", help="Slurm account to check and charge (default: the profile's)")
+    p.add_argument("--account", help="Slurm account to check and charge (default: the profile's)")
     p.add_argument("--json", action="store_true", help="print a JSON list of {check, ok, detail, hint}")
     p.add_argument("--static-only", action="store_true", help="only the static checks; submit no job")
     p.add_argument("--runs-dir", default="runs", help="where the smoke job's run directory goes (default: ./runs; "
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValidationError(f"--nodes {args.nodes} is not a node count", hint="use --nodes 1 or more")
     if not args.wait_timeout > 0:
         raise ValidationError(f"--wait-timeout {args.wait_timeout:g} is not positive", hint="e.g. --wait-timeout 300")
-    options = DoctorOptions(profile=args.profile, partition=args.partition, nodes=args.nodes, account=args.account,
+    options = DoctorOptions(profile=args.profile, partition=args.partition or "", nodes=args.nodes, account=args.account or "",
                             runs_dir=Path(args.runs_dir), wait_timeout_s=args.wait_timeout, static_only=args.static_only)
     checks = run_doctor(options, progress=lambda line: print(f"doctor: {line}", file=sys.stderr, flush=True))
     sys.stdout.write(to_json(checks) + "\n" if args.json else format_table(checks))

@@ -14,6 +14,8 @@ from tests.conftest import run_cli
     (("--profile", "local", "--partition", "bigmem"), "unknown partition 'bigmem'"),
     (("--profile", "local", "--nodes", "0"), "--nodes 0"),
     (("--profile", "local", "--nodes", "3"), "--nodes=3 but partition 'cpu'"),
+    (("--profile", "local", "--partition", ""), "--partition is empty"),
+    (("--profile", "local", "--wait-timeout", "0"), "--wait-timeout 0 is not positive"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
     out = run_cli("doctor", *args, "--runs-dir", str(tmp_path), timeout=60)

@@ -14,6 +14,7 @@ copy ``runs/ck-doctor-*/doctor/rank-*.json`` after a doctor run.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -144,7 +145,7 @@ def test_cyclone_profile_on_the_local_cluster_names_node_count_and_cores() -> No
     assert checks["gpus"].ok  # 4 fake GPUs per node, as on Cyclone
     assert "not in the profile: g[1-2]" in checks["nodelist"].detail
     assert checks["account"].ok is None  # accounting is off in this capture
-    assert checks["modules"].ok is None and "neither Lmod nor Environment Modules" in checks["modules"].detail
+    assert checks["modules"].ok is True and checks["modules"].detail == "profile 'cyclone' loads no modules"
     assert doctor.request_problems(CYCLONE_GPU, PARTITIONS["gpu"], GPU_NODES) == ["40 CPUs per node asked, 4 exist"]
 
 
@@ -196,10 +197,16 @@ def test_module_listing(name: str, listing: str, found: bool) -> None:
     assert doctor.module_available(name, listing) is found
 
 
-def test_module_check_with_a_module_system() -> None:
-    facts = ModuleFacts("lmod", {"Python/3.10.4-GCCcore-11.3.0": "Python/3.10.4-GCCcore-11.3.0\n", "CUDA/12.1.1": ""})
-    check = doctor.check_modules(CYCLONE_GPU, facts)
+def test_module_check_with_and_without_a_module_system() -> None:
+    modules = ("Python/3.10.4-GCCcore-11.3.0", "CUDA/12.1.1")
+    job = dataclasses.replace(CYCLONE_GPU, profile=dataclasses.replace(CYCLONE_GPU.profile, modules=modules))
+    facts = ModuleFacts("lmod", {modules[0]: f"{modules[0]}\n", modules[1]: ""})
+    check = doctor.check_modules(job, facts)
     assert check.ok is False and "not available: CUDA/12.1.1" in check.detail and "module spider CUDA" in check.hint
+    facts = ModuleFacts("lmod", {m: f"/opt/modules:\n{m}\n" for m in modules})
+    assert doctor.check_modules(job, facts).ok
+    none = doctor.check_modules(job, ModuleFacts())
+    assert none.ok is None and "neither Lmod nor Environment Modules" in none.detail
 
 
 # --------------------------------------------------------------------------- live checks
@@ -382,7 +389,10 @@ def test_output_table_and_json() -> None:
 
 
 def test_doctor_script_extends_the_base_template() -> None:
-    job = doctor_request("cyclone", "gpu", 2, "p163")
+    # the profile's own modules and setup lines go into the smoke job as into any training job
+    base = doctor_request("cyclone", "gpu", 2, "p163")
+    job = dataclasses.replace(base, profile=dataclasses.replace(
+        base.profile, modules=("CUDA/12.1.1",), setup=("source $HOME/venvs/torch/bin/activate",)))
     run_dir = "/scratch/p163/runs/ck-doctor-20260101-000000"
     text = render_script(job, run_dir, python="/opt/venv/bin/python", template="doctor.sbatch.j2",
                          environ={"CYCLONE_KIT_TEMPLATES": "/nonexistent"},
@@ -392,7 +402,8 @@ def test_doctor_script_extends_the_base_template() -> None:
         golden.write_text(text)
     assert text == golden.read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --gres=gpu:4", "#SBATCH --account=p163", "#SBATCH --time=00:01:00",
-                 "module load Python/3.10.4-GCCcore-11.3.0", "-m cyclone_kit.doctor_probe --out"):
+                 "module load CUDA/12.1.1", "source $HOME/venvs/torch/bin/activate", "--cpu-bind=cores",
+                 "-m cyclone_kit.doctor_probe --out"):
         assert line in text
     assert "--requeue" not in text and "--signal" not in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
