@@ -21,12 +21,9 @@ from typing import Any
 from cyclone_kit import __version__
 from cyclone_kit.errors import ValidationError
 from cyclone_kit.malloc import GLIBC_TUNABLES
+from cyclone_kit.ports import PORT_BASE, PORT_SPAN  # the templates' MASTER_PORT range (cyclone_kit.ports)
 from cyclone_kit.validate import ResolvedJob
 
-#: MASTER_PORT: PORT_BASE + job id % PORT_SPAN when free on the batch host, else the next free one in the range
-#: (cyclone_kit/ports.py); the range stays below Linux's ephemeral ports (32768+).
-PORT_BASE = 15000
-PORT_SPAN = 16000
 _SAFE_HEADER = re.compile(r"^[A-Za-z0-9_./:@%+,=-]+$")
 
 
