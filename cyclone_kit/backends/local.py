@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from cyclone_kit import failures
 from cyclone_kit.backends.base import JobHandle
-from cyclone_kit.backends.base import log_files as _log_files
+from cyclone_kit.backends.base import log_files as run_log_files
 from cyclone_kit.errors import RankFailure, ValidationError
 from cyclone_kit.failures import read_error_record, signal_name
 from cyclone_kit.malloc import malloc_environment
@@ -647,7 +647,7 @@ class LocalBackend:
 
     def log_files(self, job: JobHandle) -> list[Path]:
         """Per-rank logs: ``logs/rank-N.out`` and ``.err``."""
-        return _log_files(job)
+        return run_log_files(job)
 
 
 def run_dir_status(job_id: str, run_dir: Path | None) -> JobInfo:

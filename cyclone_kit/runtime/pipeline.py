@@ -237,7 +237,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     Raises:
         ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
     """
-    from cyclone_kit.runtime.train import _gather_hosts, _seed_everything, begin_segment, lr_factor, make_plan
+    from cyclone_kit.runtime.train import begin_segment, gather_hosts, lr_factor, make_plan, seed_everything
 
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -255,10 +255,10 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     if device.warning and env.local_rank == 0:
         warn(device.warning)
     dev = torch.device(device.torch_device)
-    _seed_everything(tc.seed)
+    seed_everything(tc.seed)
     distributed = init_process_group(env, device, tc.pg_timeout_s)
     host = env.host or socket.gethostname()
-    hostnames = _gather_hosts(host, distributed)
+    hostnames = gather_hosts(host, distributed)
 
     # No data parallelism: every stage reads the batches a world of one would read.
     solo = dataclasses.replace(env, rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
@@ -278,7 +278,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     stage, shape = stages[env.rank], shapes[env.rank]
     del model, stages
     module = stage.module.to(dev)
-    _seed_everything(tc.seed + env.rank)
+    seed_everything(tc.seed + env.rank)
     params = list(module.parameters())
     optimizer = torch.optim.SGD(params, lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan.warmup_steps,

@@ -289,7 +289,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     if device.warning and env.local_rank == 0:
         warn(device.warning)
     dev = torch.device(device.torch_device)
-    _seed_everything(tc.seed)
+    seed_everything(tc.seed)
     if tc.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -298,7 +298,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         torch.backends.cudnn.benchmark = True
     distributed = init_process_group(env, device, tc.pg_timeout_s)
     host = env.host or socket.gethostname()
-    hostnames = _gather_hosts(host, distributed)
+    hostnames = gather_hosts(host, distributed)
 
     channels_last = tc.channels_last and device.kind == "cuda"
     workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
@@ -311,7 +311,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     model = build_model(tc.model, data.info.num_classes, data.info.image_size, data.info.channels).to(dev)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    _seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
+    seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
     wrapped = wrap_model(tc.strategy, model, device, tc, distributed)
     runner = torch.compile(wrapped) if tc.compile else wrapped
     optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
@@ -691,7 +691,8 @@ def _agreed_checkpoint(folder: Path, env: DistEnv, distributed: bool) -> tuple[d
     return ckpt.load_checkpoint(path), path
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's and numpy's generators (the same start on every engine)."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -702,7 +703,7 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
-def _gather_hosts(host: str, distributed: bool) -> list[str]:
+def gather_hosts(host: str, distributed: bool) -> list[str]:
     """Every rank's host, deduplicated in rank order (rank 0's node first)."""
     hosts = [host]
     if distributed:
