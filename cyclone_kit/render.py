@@ -22,6 +22,7 @@ from cyclone_kit import __version__
 from cyclone_kit.errors import ValidationError
 from cyclone_kit.malloc import GLIBC_TUNABLES
 from cyclone_kit.ports import PORT_BASE, PORT_SPAN  # the templates' MASTER_PORT range (cyclone_kit.ports)
+from cyclone_kit.rundir import RunDir, StudyDir
 from cyclone_kit.validate import ResolvedJob
 
 _SAFE_HEADER = re.compile(r"^[A-Za-z0-9_./:@%+,=-]+$")
@@ -125,7 +126,7 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "setup": list(prof.setup),
         "python": python or prof.python or sys.executable,
         "run_dir": run_dir,
-        "log_dir": f"{run_dir}/logs",
+        "log_dir": str(RunDir(run_dir).logs),
         "port_base": PORT_BASE,
         "glibc_tunables": GLIBC_TUNABLES,
         "port_span": PORT_SPAN,
@@ -160,9 +161,9 @@ def report_context(study_dir: Path | str, job: ResolvedJob, after: Sequence[str]
         "launcher": "report", "name": name, "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 1,
         "gpus_per_node": 0, "time": "00:15:00", "partition": prof.default_partition.name, "mem": "",
         "exclusive": False, "signal": "", "requeue": False, "extra_sbatch": list(prof.extra_sbatch),
-        "log_dir": f"{study}/logs", "log_stem": "report",
+        "log_dir": str(StudyDir(study).logs), "log_stem": "report",
         "dependency": f"afterany:{':'.join(str(i) for i in after)}" if after else "",
-        "study_dir": study, "report_dir": f"{study}/report",
+        "study_dir": study, "report_dir": str(StudyDir(study).report),
     }
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from cyclone_kit.config import JobSpec
 from cyclone_kit.errors import ValidationError
+from cyclone_kit.rundir import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import auto_workers, build_data
@@ -455,7 +456,7 @@ class _State:
                 "world_size": self.env.world_size,
                 "global_batch": plan.global_batch,
             }
-            ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.spec.checkpoint.keep)
+            ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.spec.checkpoint.keep)
         if self.distributed:
             import torch.distributed as dist
 
@@ -463,7 +464,7 @@ class _State:
 
     def resume(self) -> int:
         """Load the newest checkpoint (chosen by rank 0) into this stage; returns its step (0 if none)."""
-        folder = self.run_dir / "checkpoints"
+        folder = RunDir(self.run_dir).checkpoints
         found = ckpt.load_latest(folder) if self.env.is_main else None
         choice: list[Any] = [str(found[1]) if found else None]
         if self.distributed:

@@ -34,6 +34,7 @@ from torch import nn
 from cyclone_kit import __version__
 from cyclone_kit.config import JobSpec, TrainConfig
 from cyclone_kit.errors import CommandError, ValidationError
+from cyclone_kit.rundir import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import Data, auto_workers, build_data
@@ -321,7 +322,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         optimizer, lambda s: lr_factor(s, plan.warmup_steps, plan.total_steps))
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
 
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = RunDir(run_dir).checkpoints
     step = 0
     if cc.resume:
         found = _agreed_checkpoint(ckpt_dir, env, distributed)
@@ -549,7 +550,7 @@ class _Loop:
         if self.sharded and self.cc.sharded:  # every rank writes its own shards (runtime/fsdp_ckpt.py)
             from cyclone_kit.runtime import fsdp_ckpt
 
-            entries = fsdp_ckpt.save_sharded(self.run_dir / "checkpoints", step, self.model, self.optimizer)
+            entries = fsdp_ckpt.save_sharded(RunDir(self.run_dir).checkpoints, step, self.model, self.optimizer)
             model_state, optim_state, optim_format = entries["model"], None, fsdp_ckpt.FORMAT
         elif self.sharded:  # a collective: every rank takes part, rank 0 keeps the full tensors
             from torch.distributed.checkpoint.state_dict import (
@@ -580,11 +581,11 @@ class _Loop:
             }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.cc.keep)
+            ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.cc.keep)
             if optim_format == "dcp":
                 from cyclone_kit.runtime import fsdp_ckpt
 
-                fsdp_ckpt.prune(self.run_dir / "checkpoints")
+                fsdp_ckpt.prune(RunDir(self.run_dir).checkpoints)
         if self.distributed:
             import torch.distributed as dist
 
