@@ -216,7 +216,8 @@ def submit_study(sweep: SweepSpec, runs: Sequence[SweepRun], study: StudyDir, ba
         for r in runs:
             after = [outcome.entries[-1]["job_id"]] if sweep.serial and outcome.entries else []
             handle = chosen.submit_run(r.job, study.run(r.name).path, after=after)
-            outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": handle.job_id})
+            outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": handle.job_id,
+                                    **({"after": after} if after else {})})
             print(f"submitted {r.name}: job {handle.job_id}", file=out, flush=True)
         if sweep.report:
             ids = [e["job_id"] for e in outcome.entries]
