@@ -119,6 +119,10 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "mem": spec.resources.mem,
         "exclusive": spec.resources.exclusive,
         "signal": f"{ck.signal}@{ck.signal_lead_s}" if want_signal else "",
+        # torchrun's agent handles only these by default; the requeue signal would kill it
+        "signals_to_handle": ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", f"SIG{ck.signal}"])),
+        "shutdown_timeout": ck.signal_lead_s,
+        "srun_bind": list(prof.srun_binding),
         "requeue": ck.requeue,
         "extra_sbatch": [*prof.extra_sbatch, *spec.resources.extra_sbatch],
         "modules": list(prof.modules),
@@ -139,9 +143,17 @@ def render_script(
     *,
     python: str | None = None,
     environ: Mapping[str, str] | None = None,
+    template: str | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Render the sbatch script of ``job`` for ``run_dir`` with its launcher's template."""
-    return _render(f"{job.spec.resources.launcher}.sbatch.j2", script_context(job, run_dir, python), environ)
+    """Render the sbatch script of ``job`` for ``run_dir`` with its launcher's template.
+
+    ``template`` picks another template (``doctor.sbatch.j2``); ``extra`` adds the values only
+    that template uses to :func:`script_context`.
+    """
+    name = template or f"{job.spec.resources.launcher}.sbatch.j2"
+    return _render(name, {**script_context(job, run_dir, python), **(extra or {})}, environ)
+
 
 
 def report_context(study_dir: Path | str, job: ResolvedJob, after: Sequence[str] = (), *,
