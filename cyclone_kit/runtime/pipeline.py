@@ -361,7 +361,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     Raises:
         ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
     """
-    from cyclone_kit.runtime.train import _seed_everything, begin_segment, lr_factor, make_plan, resolve_precision
+    from cyclone_kit.runtime.train import begin_segment, lr_factor, make_plan, resolve_precision, seed_everything
 
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -374,7 +374,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
         )
     if tc.compile:
         warn("train.compile is ignored with strategy=pipeline")
-    _seed_everything(tc.seed)
+    seed_everything(tc.seed)
     # The engine's set-up path (threads, device, process group, hosts, stop agreement): the public API's.
     session = open_session(env, environ, run_dir, cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
                            t_start=t_start)
@@ -399,7 +399,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     stage, shape = stages[env.rank], shapes[env.rank]
     del model, stages
     module = stage.module.to(dev)
-    _seed_everything(tc.seed + env.rank)
+    seed_everything(tc.seed + env.rank)
     params = list(module.parameters())
     optimizer = torch.optim.SGD(params, lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan.warmup_steps,

@@ -38,9 +38,6 @@ from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_dev
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
 
-#: The checkpoint folder inside a run directory.
-CHECKPOINT_DIR = "checkpoints"
-
 
 @dataclass
 class Session:
@@ -82,8 +79,10 @@ class Session:
 
     @property
     def checkpoint_dir(self) -> Path:
-        """``RUN_DIR/checkpoints``."""
-        return self.run_dir / CHECKPOINT_DIR
+        """``RUN_DIR/checkpoints`` (the layout is :class:`cyclone_kit.rundir.RunDir`'s)."""
+        from cyclone_kit.rundir import RunDir
+
+        return RunDir(self.run_dir).checkpoints
 
     @property
     def launcher(self) -> str:

@@ -42,8 +42,12 @@ from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.session import Session, open_session
+from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
+
+__all__ = ["ENGINES", "STRATEGIES", "Plan", "Strategy", "begin_segment", "engine_start_fields", "gather_hosts",
+           "gather_to_main", "lr_factor", "make_plan", "optimizer_step", "place_model", "resolve_precision",
+           "scaled_lr", "seed_everything", "strategy_for", "train", "unwrap", "use_static_graph", "wrap_model"]
 
 
 # --------------------------------------------------------------------------- pure schedule maths
@@ -355,7 +359,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     stop_flag = stop_flag or StopFlag(cc.signal).install()
     if strategy.prepare_env is not None:  # Horovod: hvd.init(); ranks, local rank (device) and side channel
         env = strategy.prepare_env(env, environ, tc.pg_timeout_s)
-    _seed_everything(tc.seed)
+    seed_everything(tc.seed)
     # Threads, device, process group (Horovod: a gloo one of the engine's own), hosts, stop agreement.
     session = open_session(env, environ, run_dir, cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
                            t_start=t_start, backend=strategy.pg_backend)
@@ -377,7 +381,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
     model = place_model(build_model(tc.model, data.info.num_classes, data.info.image_size, data.info.channels),
                         dev, tc.strategy, channels_last)
-    _seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
+    seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
     wrapped = strategy.wrap(model, device, tc, distributed)
     runner = torch.compile(wrapped) if tc.compile else wrapped
     optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
@@ -679,7 +683,8 @@ def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextMa
     return no_sync
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's and numpy's generators (the same start on every engine)."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
