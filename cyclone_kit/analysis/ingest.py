@@ -434,7 +434,7 @@ class Ingested:
         epochs: every epoch record: ``run_dir``, ``segment``, ``epoch``, ``val_accuracy``,
             ``epoch_time_s``.
         ranks: per-rank summaries: ``run_dir``, ``rank``, ``host``, ``device``,
-            ``samples_per_s``, ``peak_memory_bytes``.
+            ``samples_per_s``, ``peak_memory_bytes``, ``energy_j`` (NVML, GPU runs only).
         warnings: one line per problem found (also emitted as :class:`MetricsWarning`).
     """
 
@@ -534,6 +534,7 @@ def _read_rank_files(run_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
                 "device": data.get("device"),
                 "samples_per_s": _number(data.get("samples_per_s")),
                 "peak_memory_bytes": _number(data.get("peak_memory_bytes")),
+                "energy_j": _number(data.get("energy_j")),
             }
         )
     return rows
@@ -636,7 +637,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
     epochs = epochs[["run_dir", "segment", "epoch", "val_accuracy", "epoch_time_s"]]
     ranks = pd.DataFrame(
         rank_rows,
-        columns=["run_dir", "rank", "host", "device", "samples_per_s", "peak_memory_bytes"],
+        columns=["run_dir", "rank", "host", "device", "samples_per_s", "peak_memory_bytes", "energy_j"],
     )
     if warn:
         for note in notes:
