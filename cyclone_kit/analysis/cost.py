@@ -160,7 +160,7 @@ def cost_points(table: pd.DataFrame, runs: pd.DataFrame, usage: pd.DataFrame) ->
     return out[columns].reset_index(drop=True)
 
 
-def query_sacct(job_ids: Sequence[object], *, timeout: float = 20) -> tuple[dict[str, list[JobUsage]], str]:
+def query_sacct(job_ids: Sequence[object], *, timeout: float = 10) -> tuple[dict[str, list[JobUsage]], str]:
     """Ask ``sacct`` for the allocations of ``job_ids``.
 
     Returns:

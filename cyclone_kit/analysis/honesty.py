@@ -297,7 +297,8 @@ def baseline_verdict(base: Mapping[str, object], study_runs: pd.DataFrame, row: 
                 refuse.append(f"{column} differs")
         elif not theirs and column != "dataset":
             refuse.append(f"the baseline does not state its {column}")
-    devices = _ours(study_runs, "device_name") or _ours(study_runs, "device")
+    kinds = {"cpu": "CPU", "cuda": "GPU"}
+    devices = _ours(study_runs, "device_name") or [kinds.get(d.split(":")[0], d) for d in _ours(study_runs, "device")]
     theirs_device = _known(base.get("device"))
     if theirs_device and devices and not any(_same_device(theirs_device, d) for d in devices):
         differences.append(f"device {theirs_device} vs {', '.join(devices)}")

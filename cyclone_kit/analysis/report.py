@@ -823,7 +823,8 @@ def write_report(
     accounting_note = ""
     sacct: dict = {}
     if accounting:
-        sacct, accounting_note = query_sacct(list(data.runs["slurm_job_id"].dropna()))
+        on_slurm = data.runs[data.runs["launcher"].astype(str) != "local"]  # local runs' job ids are fake
+        sacct, accounting_note = query_sacct(list(on_slurm["slurm_job_id"].dropna()))
     usage = usage_table(data.runs, data.ranks, sacct)
 
     out = Path(out_dir)

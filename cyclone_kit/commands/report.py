@@ -60,7 +60,13 @@ def run(args: argparse.Namespace) -> int:
             f"efficiency {100 * row['efficiency']:.1f} %"
         )
     for fit in result.fits:
-        print(f"  {fit.study} [{fit.strategy}]: {fit.law} serial fraction s = {fit.serial_fraction:.4f}")
+        verdict = result.checks.fit(fit.study, fit.strategy)
+        if verdict is not None and not verdict.meaningful:
+            print(f"  {fit.study} [{fit.strategy}]: no meaningful fit ({verdict.reason})")
+        else:
+            print(f"  {fit.study} [{fit.strategy}]: {fit.law} serial fraction s = {fit.serial_fraction:.4f}")
+    for line in result.checks.warnings:
+        sys.stderr.write(f"warning: {line}\n")
     if table.empty:
         sys.stderr.write("warning: no complete run: the report lists the incomplete runs only\n")
     print(f"report: {result.out_dir / 'report.html'}")
