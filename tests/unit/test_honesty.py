@@ -58,7 +58,7 @@ def test_a_study_that_scales_badly_gets_no_fit_no_prediction_and_flagged_karp_fl
 
 
 def test_superlinear_points_are_flagged_and_the_clamped_fit_is_refused(tmp_path: Path) -> None:
-    md, result = _report(tmp_path, {1: 100.0, 2: 230.0, 4: 480.0})
+    md, _ = _report(tmp_path, {1: 100.0, 2: 230.0, 4: 480.0})
     # e = (1/2.3 - 1/2) / (1/2) = -0.1304
     assert "study (ddp) N=2: superlinear (S > p): e < 0 is not a serial fraction (Karp-Flatt e = -0.1304)." in md
     assert "No meaningful Amdahl fit (strategy ddp): the speed-ups are above ideal (superlinear)" in md
