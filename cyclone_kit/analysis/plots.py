@@ -281,6 +281,9 @@ def speedup_figure(
         if fit is not None and (study, strategy) in verdicts:
             _draw_law(ax, fit, verdicts[(study, strategy)], color, efficiency=False)
     _node_boundaries(ax, table)
+    lowest = float(table["speedup"].min()) if not table.empty else 1.0
+    if lowest < 1:  # slower than N0: keep a labelled power of two below the lowest point
+        ax.set_ylim(bottom=2.0 ** np.floor(np.log2(lowest)) * 0.9)
     ax.set_ylabel("speed-up S(N) = T(N) / T(N0) (log2 scale)")
     _title(ax, title, setup)
     ax.legend(fontsize="small")
