@@ -188,25 +188,21 @@ def measurement_spans(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     complete = runs[runs["complete"].astype(bool)]
     if complete.empty:
         return pd.DataFrame(columns=columns)
-    rows = []
-    frame = steps[["run_dir", "segment", "step", "step_time_s"]].copy() if not steps.empty else None
-    if frame is not None:
+    keys = complete["run_dir"].astype(str).tolist()
+    windows = dict.fromkeys(keys, 0)
+    seconds = dict.fromkeys(keys, 0.0)
+    if not steps.empty:
+        frame = steps[["run_dir", "segment", "step", "step_time_s"]].copy()
         frame["run_dir"] = frame["run_dir"].astype(str)
-    for run_dir in complete["run_dir"].astype(str):
-        windows, seconds = 0, 0.0
-        if frame is not None:
-            mine = frame[frame["run_dir"] == run_dir]
-            for _, segment in mine.groupby("segment", sort=True):
-                step = segment["step"].to_numpy(dtype=float)
-                time_per_step = segment["step_time_s"].to_numpy(dtype=float)
-                if len(step) < 2:
-                    continue
-                covered = np.diff(step)
-                ok = np.isfinite(covered) & np.isfinite(time_per_step[1:]) & (covered > 0)
-                windows += int(ok.sum())
-                seconds += float((covered[ok] * time_per_step[1:][ok]).sum())
-        rows.append({"run_dir": run_dir, "steady_windows": windows, "measured_s": seconds})
-    return pd.DataFrame(rows, columns=columns)
+        frame = frame[frame["run_dir"].isin(windows)]
+        frame["covered"] = frame.groupby(["run_dir", "segment"], sort=False)["step"].diff()
+        ok = (frame["covered"] > 0) & np.isfinite(frame["step_time_s"])
+        frame = frame[ok]
+        frame["seconds"] = frame["covered"] * frame["step_time_s"]
+        for run_dir, group in frame.groupby("run_dir", sort=False):
+            windows[str(run_dir)] = len(group)
+            seconds[str(run_dir)] = float(group["seconds"].sum())
+    return pd.DataFrame([(k, windows[k], seconds[k]) for k in keys], columns=columns)
 
 
 def short_measurement(windows: int, seconds: float) -> str:
