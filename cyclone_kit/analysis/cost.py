@@ -182,16 +182,16 @@ def query_sacct(job_ids: Sequence[object], *, timeout: float = 10) -> tuple[dict
     if not ids:
         return {}, "the runs name no Slurm job"
     if shutil.which("sacct") is None:
-        return {}, "sacct is not installed here"
+        return {}, "not installed here"
     try:
         result = run_command(sacct_usage_argv(ids), timeout=timeout, check=False)
     except CycloneError as exc:
-        return {}, f"sacct did not answer ({str(exc).splitlines()[0]})"
+        return {}, f"it did not answer ({str(exc).splitlines()[0]})"
     if not result.ok:
         if accounting_disabled(result.stderr + result.stdout):
-            return {}, "Slurm accounting storage is disabled"
+            return {}, "Slurm accounting storage is disabled"  # no slurmdbd on this cluster
         first = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
-        return {}, f"sacct failed: {first}"
+        return {}, f"it failed ({first.removeprefix('sacct: ')})"
     try:
         usages = parse_sacct_usage(result.stdout)
     except CycloneError as exc:

@@ -665,7 +665,7 @@ def _cost_blocks(
     sources = usage["device_hours_source"].replace("", pd.NA).dropna()
     counts = sources.value_counts()
     where = ", ".join(f"{count} from {source}" for source, count in counts.items()) or "none known"
-    note = f" sacct: {accounting_note}." if accounting_note else ""
+    note = f" Not from sacct: {accounting_note}." if accounting_note else ""
     blocks.append(Paragraph(
         f"Device-hours per run (runs.csv, device_hours): {where}.{note} Records-based hours count the "
         "training segments only (no start-up or queue time)."
