@@ -14,7 +14,8 @@ What every figure does (issue 17):
 * a fitted law only when :mod:`cyclone_kit.analysis.honesty` calls it meaningful: solid over the
   measured range, dashed (on a shaded background) where it is extrapolated, and only up to the
   horizon those rules allow;
-* error bars (min-max over repeats) only when a point has repeats.
+* error bars (min-max over repeats) only when a point has repeats; points measured too briefly
+  ringed (when given the honesty review).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator, PercentFormatter
 
-from cyclone_kit.analysis.honesty import FitVerdict, fit_verdicts
+from cyclone_kit.analysis.honesty import FitVerdict, Review, fit_verdicts
 from cyclone_kit.analysis.scaling import ScalingFit
 
 PathArg = str | Path | Sequence[str | Path] | None
@@ -93,6 +94,9 @@ def plot_setup(runs: pd.DataFrame, table: pd.DataFrame | None = None) -> PlotSet
     parts = ["/".join(_distinct(complete["model"])) or "model unknown"]
     names = _distinct(complete["device_name"]) if "device_name" in complete else []
     kinds = {"cuda": "GPU", "cpu": "CPU"}
+    device_kinds = {d.split(":")[0] for d in _distinct(complete["device"])}
+    if names and device_kinds == {"cpu"} and not any("cpu" in n.lower() for n in names):
+        names = [f"{n} CPU" for n in names]  # "AMD EPYC" alone does not say it ran on the CPU
     device = "/".join(names) or "/".join(kinds.get(d.split(":")[0], d) for d in _distinct(complete["device"]))
     parts.append(device or "device unknown")
     parts.append("/".join(_distinct(complete["precision"])) or "precision unknown")
@@ -197,6 +201,17 @@ def _node_boundaries(ax: object, table: pd.DataFrame) -> None:
                 va="top", ha="right", fontsize="x-small", color="0.3")
 
 
+def _mark_short(ax: object, table: pd.DataFrame, column: str, checks: Review | None) -> None:
+    """Ring the points that rule 4 calls measured too briefly."""
+    if checks is None:
+        return
+    short = {(f.study, f.strategy, f.world_size) for f in checks.points if f.rule == "short"}
+    rows = [r for _, r in table.iterrows() if (str(r["study"]), str(r["strategy"]), int(r["world_size"])) in short]
+    if rows:
+        ax.plot([float(r["world_size"]) for r in rows], [float(r[column]) for r in rows], linestyle="none",
+                marker="o", markersize=13, mfc="none", mec="crimson", mew=1.5, label="measured too briefly")
+
+
 def _title(ax: object, what: str, setup: PlotSetup) -> None:
     """Two-line title: what the figure shows, then the setup."""
     ax.set_title(f"{what}\n{setup.details}" if setup.details else what, fontsize="medium")
@@ -251,6 +266,7 @@ def speedup_figure(
     path: PathArg = None,
     title: str = "Speed-up",
     setup: PlotSetup | None = None,
+    checks: Review | None = None,
 ) -> Figure:
     """Speed-up vs N (log2/log2), with the ideal line and the meaningful fitted laws.
 
@@ -261,6 +277,7 @@ def speedup_figure(
         path: a file or files to save to (PNG, SVG, PDF); None saves nothing.
         title: the first line of the title (the setup is the second).
         setup: units and setup for labels (see :func:`plot_setup`); generic when None.
+        checks: the honesty review; points it calls measured too briefly are ringed.
     """
     setup = setup or PlotSetup()
     fig, ax = _new_figure()
@@ -280,6 +297,7 @@ def speedup_figure(
         fit = _fit_for(fits, study, strategy)
         if fit is not None and (study, strategy) in verdicts:
             _draw_law(ax, fit, verdicts[(study, strategy)], color, efficiency=False)
+    _mark_short(ax, table, "speedup", checks)
     _node_boundaries(ax, table)
     lowest = float(table["speedup"].min()) if not table.empty else 1.0
     if lowest < 1:  # slower than N0: keep a labelled power of two below the lowest point
@@ -298,6 +316,7 @@ def efficiency_figure(
     path: PathArg = None,
     title: str = "Parallel efficiency",
     setup: PlotSetup | None = None,
+    checks: Review | None = None,
 ) -> Figure:
     """Efficiency (percent) vs N, with the 100 % ideal and the meaningful laws' efficiencies.
 
@@ -307,6 +326,7 @@ def efficiency_figure(
         path: a file or files to save to; None saves nothing.
         title: the first line of the title.
         setup: units and setup for labels; generic when None.
+        checks: the honesty review; points it calls measured too briefly are ringed.
     """
     setup = setup or PlotSetup()
     fig, ax = _new_figure()
@@ -320,6 +340,7 @@ def efficiency_figure(
         fit = _fit_for(fits, study, strategy)
         if fit is not None and (study, strategy) in verdicts:
             _draw_law(ax, fit, verdicts[(study, strategy)], color, efficiency=True)
+    _mark_short(ax, table, "efficiency", checks)
     _node_boundaries(ax, table)
     ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
     top = float(table["efficiency"].max()) if not table.empty else 1.0
@@ -421,10 +442,12 @@ def cost_figure(
             ax.plot((targets / base) / predicted, predicted, linestyle="none", marker="o", mfc="none",
                     color=color, label=f"{fit.law.capitalize()} prediction (extrapolated)")
             for n, x, y in zip(targets, (targets / base) / predicted, predicted, strict=True):
-                ax.annotate(f"N={int(n)}?", (x, y), textcoords="offset points", xytext=(5, -10),
-                            fontsize="x-small", color=color)
+                ax.annotate(f"N={int(n)} (predicted)", (x, y), textcoords="offset points", xytext=(-6, -12),
+                            ha="right", fontsize="x-small", color=color)
     ax.set_xlabel(f"relative cost: {setup.unit_one}-hours per sample / the same at N0 (= p / S)")
     ax.set_ylabel("speed-up S(N)")
+    ax.margins(x=0.15, y=0.1)  # room for the N labels at the edges
+    ax.autoscale_view()
     ax.set_xlim(left=min(0.9, ax.get_xlim()[0]))
     ax.set_ylim(bottom=0.0)
     ax.grid(True, alpha=0.3)

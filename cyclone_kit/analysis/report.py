@@ -845,8 +845,9 @@ def write_report(
         mode = "/".join(sorted(set(table["mode"]) - {"unknown"}))
         scaling = f" ({mode} scaling)" if mode else ""
         figures = {
-            "speedup": plots.speedup_figure(table, fits, title=f"Speed-up{scaling}", setup=setup),
-            "efficiency": plots.efficiency_figure(table, fits, title=f"Parallel efficiency{scaling}", setup=setup),
+            "speedup": plots.speedup_figure(table, fits, title=f"Speed-up{scaling}", setup=setup, checks=checks),
+            "efficiency": plots.efficiency_figure(table, fits, title=f"Parallel efficiency{scaling}", setup=setup,
+                                                  checks=checks),
             "throughput_per_device": plots.throughput_figure(table, setup=setup),
             "cost": plots.cost_figure(table, fits, setup=setup),
         }

@@ -85,3 +85,18 @@ def test_error_bars_only_with_repeats(tmp_path: Path) -> None:
     ax = plots.throughput_figure(table, setup=setup).axes[0]
     assert [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
     assert "bars: min-max over up to 2 repeats" in ax.get_title()
+
+
+def test_points_measured_too_briefly_are_ringed(tmp_path: Path) -> None:
+    from cyclone_kit.analysis.honesty import review
+
+    study = write_study(tmp_path, "s", "strong", [("n1", Cpu(1, 100.0, steps=3)), ("n2", Cpu(2, 190.0))])
+    data = load_runs(study)
+    table = scaling_table(data.runs)
+    fits = fit_scaling_laws(table)
+    checks = review(data.runs, data.steps, table, fits)
+    ax = plots.speedup_figure(table, fits, checks=checks).axes[0]
+    ringed = [line for line in ax.get_lines() if line.get_label() == "measured too briefly"]
+    assert len(ringed) == 1 and list(ringed[0].get_xdata()) == [1.0]  # only N = 1 (2 step records)
+    assert not [line for line in plots.speedup_figure(table, fits).axes[0].get_lines()
+                if line.get_label() == "measured too briefly"]
