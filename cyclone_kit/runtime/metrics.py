@@ -134,13 +134,15 @@ def write_rank_summary(run_dir: Path, rank: int, host: str, device: str, samples
                        peak_memory_bytes: int | None, energy_j: float | None = None) -> Path:
     """Write ``ranks/rank-<rank:05d>.json`` atomically; returns its path.
 
-    ``energy_j``: the rank's GPU energy from NVML (:mod:`cyclone_kit.runtime.power`), None when not measured.
+    ``energy_j``: the rank's GPU energy from NVML (:mod:`cyclone_kit.runtime.power`); left out when not measured.
     """
     folder = Path(run_dir) / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank-{rank:05d}.json"
     data = {"rank": rank, "host": host, "device": device, "samples_per_s": samples_per_s,
-            "peak_memory_bytes": peak_memory_bytes, "energy_j": energy_j}
+            "peak_memory_bytes": peak_memory_bytes}
+    if energy_j is not None:
+        data["energy_j"] = energy_j
     write_atomic(path, json.dumps(data) + "\n")
     return path
 
