@@ -9,7 +9,8 @@ Rules (each has a test that triggers it and asserts the bogus line is gone):
    not printed as a result, its prediction is neither stated nor drawn) when the fitted serial
    fraction sits at a bound of [0, 1] because the data want a value outside the law (speed-up
    that does not grow or falls: s = 1; speed-ups above ideal: s < 0), or when it misses the
-   measured speed-ups by more than :data:`MAX_RELATIVE_RMSE` (RMSE / mean speed-up). A law
+   measured speed-ups or efficiencies beyond N0 by more than :data:`MAX_RELATIVE_RMSE` (RMSE /
+   mean; the efficiencies weigh the small N as much as the large ones). A law
    through a single point beyond N0 is exact by construction: it is kept, with that caveat.
 2. **Extrapolation horizon.** A meaningful law is extrapolated beyond the largest measured N by
    at most as many doublings as were measured (N0 to N max), and never by more than
@@ -39,7 +40,7 @@ import pandas as pd
 
 from cyclone_kit.analysis.scaling import ScalingFit
 
-#: Largest RMSE of a fit, relative to the mean measured speed-up beyond N0, still called a fit.
+#: Largest RMSE of a fit (on speed-ups and on efficiencies beyond N0, relative to their mean) still called a fit.
 MAX_RELATIVE_RMSE = 0.10
 #: A serial fraction this close to a bound counts as at the bound.
 BOUND_TOLERANCE = 1e-3
@@ -130,10 +131,13 @@ def fit_verdict(fit: ScalingFit, group: pd.DataFrame) -> FitVerdict:
         reason = ("the speed-ups are above ideal (superlinear): the fitted serial fraction hits its lower "
                   "bound 0, so the law cannot describe them")
     else:
-        relative = fit.rmse / float(np.mean(measured)) if measured.size else math.inf
+        predicted = fit.predict(p * fit.base_world_size)
+        on_speedup = float(np.sqrt(np.mean((predicted - measured) ** 2)) / np.mean(measured))
+        on_efficiency = float(np.sqrt(np.mean(((predicted - measured) / p) ** 2)) / np.mean(measured / p))
+        relative = max(on_speedup, on_efficiency)
         if relative > MAX_RELATIVE_RMSE:
-            reason = (f"the law misses the measured speed-ups by {100 * relative:.0f} % RMSE "
-                      f"(limit {100 * MAX_RELATIVE_RMSE:.0f} %)")
+            reason = (f"the law misses the measured speed-ups by {100 * on_speedup:.0f} % RMSE and the "
+                      f"efficiencies by {100 * on_efficiency:.0f} % (limit {100 * MAX_RELATIVE_RMSE:.0f} %)")
     if reason:
         return FitVerdict(fit.study, fit.strategy, False, reason, largest, largest)
     caveat = ""

@@ -160,17 +160,30 @@ def _series(table: pd.DataFrame) -> list[tuple[str, str, str, pd.DataFrame]]:
     if table.empty:
         return out
     groups = list(table.groupby(["study", "strategy"], sort=False))
-    studies = {str(study) for (study, _), _ in groups}
+    strategies = [str(strategy) for (_, strategy), _ in groups]
+    studies = [str(study) for (study, _), _ in groups]
     for (study, strategy), group in groups:
+        name = str(strategy).upper() if len(str(strategy)) <= 5 else str(strategy)
         if len(groups) == 1:
             label = "measured"
-        elif len(studies) == 1:
-            label = str(strategy).upper() if len(str(strategy)) <= 5 else str(strategy)
+        elif len(set(strategies)) == len(groups):  # the strategy tells the lines apart
+            label = name
+        elif len(set(studies)) == len(groups):
+            label = str(study)
         else:
-            per_study = sum(1 for (s, _), _ in groups if s == study)
-            label = str(study) if per_study == 1 else f"{study}, {strategy}"
+            label = f"{study}, {name}"
         out.append((label, str(study), str(strategy), group.sort_values("world_size")))
     return out
+
+
+def _legend(fig: Figure, ax: object) -> None:
+    """A legend inside the axes when short, below them (outside the data) when long."""
+    handles, labels = ax.get_legend_handles_labels()
+    if len(handles) <= 5:
+        ax.legend(fontsize="small")
+    else:
+        fig.set_figheight(fig.get_figheight() + 0.22 * ((len(handles) + 1) // 2))  # keep the axes' height
+        fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize="small")
 
 
 def _log2_axis(ax: object, largest: float, setup: PlotSetup) -> None:
@@ -304,7 +317,7 @@ def speedup_figure(
         ax.set_ylim(bottom=2.0 ** np.floor(np.log2(lowest)) * 0.9)
     ax.set_ylabel("speed-up S(N) = T(N) / T(N0) (log2 scale)")
     _title(ax, title, setup)
-    ax.legend(fontsize="small")
+    _legend(fig, ax)
     _freeze_layout(fig)
     save_figure(fig, path)
     return fig
@@ -347,7 +360,7 @@ def efficiency_figure(
     ax.set_ylim(0.0, max(1.1, top * 1.1))
     ax.set_ylabel("efficiency (% of ideal)")
     _title(ax, title, setup)
-    ax.legend(fontsize="small")
+    _legend(fig, ax)
     _freeze_layout(fig)
     save_figure(fig, path)
     return fig
@@ -396,7 +409,7 @@ def throughput_figure(
     if repeats > 1:
         what += f" (bars: min-max over up to {repeats} repeats)"
     _title(ax, what, setup)
-    ax.legend(fontsize="small")
+    _legend(fig, ax)
     _freeze_layout(fig)
     save_figure(fig, path)
     return fig
@@ -452,7 +465,7 @@ def cost_figure(
     ax.set_ylim(bottom=0.0)
     ax.grid(True, alpha=0.3)
     _title(ax, title, setup)
-    ax.legend(fontsize="small")
+    _legend(fig, ax)
     _freeze_layout(fig)
     save_figure(fig, path)
     return fig
