@@ -458,11 +458,12 @@ def cost_figure(
                 ax.annotate(f"N={int(n)} (predicted)", (x, y), textcoords="offset points", xytext=(-6, -12),
                             ha="right", fontsize="x-small", color=color)
     ax.set_xlabel(f"relative cost: {setup.unit_one}-hours per sample / the same at N0 (= p / S)")
-    ax.set_ylabel("speed-up S(N)")
+    ax.set_ylabel("speed-up S(N) (log2 scale)")
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
     ax.margins(x=0.15, y=0.1)  # room for the N labels at the edges
     ax.autoscale_view()
     ax.set_xlim(left=min(0.9, ax.get_xlim()[0]))
-    ax.set_ylim(bottom=0.0)
     ax.grid(True, alpha=0.3)
     _title(ax, title, setup)
     _legend(fig, ax)
