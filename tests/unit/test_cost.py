@@ -108,14 +108,23 @@ def test_sacct_usage_wins_when_it_matches_the_run_in_time() -> None:
 
 
 def test_sacct_usage_parser_on_captured_output() -> None:
+    # Captured from the local cluster (Slurm 22.05, slurmdbd) with sacct_usage_argv(["14", ..., "28"]).
     usages = parse_sacct_usage((OUTPUT / "sacct_usage.txt").read_text())
-    assert usages, "captured output holds at least one allocation"
+    assert len(usages) == 16
+    by_id: dict[str, list[JobUsage]] = {}
     for usage in usages:
-        assert usage.job_id and usage.elapsed_s >= 0 and "cpu" in usage.tres
-    by_id = {u.job_id: u for u in usages}
-    first = usages[0]
-    assert first.tres["node"] >= 1 and by_id[first.job_id] is not None
-    assert all(u.energy_j is None for u in usages)  # the local cluster gathers no energy
+        by_id.setdefault(usage.job_id, []).append(usage)
+    done = by_id["22"][0]
+    assert (done.state, done.start, done.end, done.elapsed_s) == (
+        "COMPLETED", "2026-12-01T11:19:14", "2026-12-01T11:19:20", 6)
+    assert done.tres == {"billing": 8, "cpu": 8, "node": 2} and done.gpus == 0  # no GPU TRES tracked here
+    # A requeued job: one record per run (--duplicates), the requeued one with its elapsed time.
+    assert [(u.state, u.elapsed_s) for u in by_id["27"]] == [("REQUEUED", 8), ("PENDING", 0)]
+    cancelled = by_id["15"][0]  # cancelled before it started: no start, nothing allocated
+    assert (cancelled.state, cancelled.start, cancelled.tres) == ("CANCELLED by 0", "", {})
+    running = by_id["25"][0]
+    assert (running.end, running.elapsed_s, running.energy_j) == ("", 2, None)
+    assert all(u.energy_j is None for u in usages)  # the local cluster gathers no energy (0 or empty)
     assert accounting_disabled((OUTPUT / "sacct_disabled.txt").read_text())
     assert not accounting_disabled("sacct: error: Invalid job id")
     with pytest.raises(ParseError, match="raw output"):
