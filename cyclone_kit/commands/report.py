@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  {row['study']} [{row['strategy']}, {row['mode']}] N={int(row['world_size'])}: "
             f"{row['samples_per_s']:.1f} samples/s, speed-up {row['speedup']:.2f}, "
-            f"efficiency {100 * row['efficiency']:.1f} %"
+            f"efficiency {100 * row['efficiency']:.1f} %, "
+            f"{row['device_hours_per_1m_samples']:.3g} device-hours per 1M samples"
         )
     for fit in result.fits:
         verdict = result.checks.fit(fit.study, fit.strategy)
