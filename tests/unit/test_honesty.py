@@ -55,6 +55,8 @@ def test_a_study_that_scales_badly_gets_no_fit_no_prediction_and_flagged_karp_fl
     assert not [label for label in labels if "Amdahl" in label], labels
     assert fig.axes[0].get_xlim()[1] < 8  # the axis ends at the data
     assert [f.serial_fraction for f in result.fits] == [1.0]  # the fit exists; the report refuses it
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<h2>Warnings</h2>" in page and "No meaningful Amdahl fit" in page and "Predicted at" not in page
 
 
 def test_superlinear_points_are_flagged_and_the_clamped_fit_is_refused(tmp_path: Path) -> None:
