@@ -13,6 +13,7 @@ from cyclone_kit.config import (
     apply_overrides,
     load_profile,
     read_toml,
+    reject_empty_strings,
     set_fields,
     spec_from_dict,
     spec_to_dict,
@@ -57,6 +58,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, with_resources: bool =
 def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The spec file (or embedded default), then --set, then explicit flags (pure but for the read)."""
     data = read_toml(Path(args.spec)) if args.spec else read_toml(DEFAULT_SPEC)
+    reject_empty_strings(data, args.spec or str(DEFAULT_SPEC))
     flags = [(key, getattr(args, dest)) for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None]
     return set_fields(apply_overrides(data, args.overrides), flags)
 

@@ -121,6 +121,10 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "mem": spec.resources.mem,
         "exclusive": spec.resources.exclusive,
         "signal": f"{ck.signal}@{ck.signal_lead_s}" if want_signal else "",
+        # torchrun's agent handles only these by default; the requeue signal would kill it
+        "signals_to_handle": ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", f"SIG{ck.signal}"])),
+        "shutdown_timeout": ck.signal_lead_s,
+        "srun_bind": list(prof.srun_binding),
         "requeue": ck.requeue,
         "extra_sbatch": [*prof.extra_sbatch, *spec.resources.extra_sbatch],
         "modules": list(prof.modules),
@@ -141,14 +145,20 @@ def render_script(
     *,
     python: str | None = None,
     environ: Mapping[str, str] | None = None,
+    template: str | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Render the sbatch script of ``job`` for ``run_dir`` with its launcher's template."""
+    """Render the sbatch script of ``job`` for ``run_dir`` with its launcher's template.
+
+    ``template`` picks another template (``doctor.sbatch.j2``); ``extra`` adds the values only
+    that template uses to :func:`script_context`.
+    """
     from jinja2 import TemplateError, TemplateNotFound
 
     env = _environment(tuple(str(d) for d in template_dirs(environ)))
-    name = f"{job.spec.resources.launcher}.sbatch.j2"
+    name = template or f"{job.spec.resources.launcher}.sbatch.j2"
     try:
-        return env.get_template(name).render(script_context(job, run_dir, python))
+        return env.get_template(name).render({**script_context(job, run_dir, python), **(extra or {})})
     except TemplateNotFound as e:
         raise ValidationError(f"template {e.name!r} not found", hint=f"search path: {template_dirs(environ)}") from None
     except TemplateError as e:
