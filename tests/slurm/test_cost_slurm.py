@@ -37,10 +37,13 @@ def _accounting_or_skip() -> None:
     assert probe.ok, probe.stderr
 
 
-def test_sacct_device_hours_equal_devices_times_elapsed(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("partition", ["cpu", "gpu"])
+def test_sacct_device_hours_equal_devices_times_elapsed(slurm_cluster: dict[str, str], tmp_path: Path,
+                                                         partition: str) -> None:
     _accounting_or_skip()
-    result = run_cli("submit", str(REPO / "jobs" / "smoke.toml"), "--profile", "local", "--partition", "cpu",
-                     "--nodes", "1", "--ntasks-per-node", "2", "--runs-dir", str(tmp_path),
+    gpus = ["--gpus-per-node", "2"] if partition == "gpu" else []  # the gpu nodes' (fake) GPUs
+    result = run_cli("submit", str(REPO / "jobs" / "smoke.toml"), "--profile", "local", "--partition", partition,
+                     "--nodes", "1", "--ntasks-per-node", "2", *gpus, "--runs-dir", str(tmp_path),
                      "--set", "train.steps=10", timeout=60)
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
@@ -68,7 +71,9 @@ def test_sacct_device_hours_equal_devices_times_elapsed(slurm_cluster: dict[str,
     runs = pd.read_csv(tmp_path / "report" / "runs.csv")
     assert report.accounting_note == ""
     row = runs.iloc[0]
-    assert row["device_hours_source"] == "sacct" and int(row["devices"]) == 2  # 2 ranks, no GPU TRES on cpu
+    # cpu: no GPU in AllocTRES, the 2 ranks are the devices; gpu: AllocTRES gres/gpu=2.
+    assert usage[-1].gpus == (2 if partition == "gpu" else 0), usage[-1]
+    assert row["device_hours_source"] == "sacct" and int(row["devices"]) == 2
     assert abs(row["device_hours"] * 3600 / 2 - elapsed) <= 1.0, (row["device_hours"], elapsed)
     assert row["elapsed_s"] == usage[-1].elapsed_s
     md = (tmp_path / "report" / "report.md").read_text()
