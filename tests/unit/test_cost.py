@@ -125,6 +125,9 @@ def test_sacct_usage_parser_on_captured_output() -> None:
     running = by_id["25"][0]
     assert (running.end, running.elapsed_s, running.energy_j) == ("", 2, None)
     assert all(u.energy_j is None for u in usages)  # the local cluster gathers no energy (0 or empty)
+    # With AccountingStorageTRES=gres/gpu (gpu partition, 2 fake GPUs): the allocated GPUs.
+    gpu_jobs = parse_sacct_usage((OUTPUT / "sacct_usage_gpu.txt").read_text())
+    assert [(u.job_id, u.gpus, u.elapsed_s) for u in gpu_jobs] == [("86", 2, 0), ("91", 2, 12)]
     assert accounting_disabled((OUTPUT / "sacct_disabled.txt").read_text())
     assert not accounting_disabled("sacct: error: Invalid job id")
     with pytest.raises(ParseError, match="raw output"):
