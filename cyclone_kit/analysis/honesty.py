@@ -234,6 +234,7 @@ class BaselineVerdict:
         differences: what differs, e.g. ``model resnet50 vs resnet18`` (empty: nothing known differs).
         like_for_like: whether a headline ratio may be given.
         why_not: why not (empty when like for like).
+        label: the baseline as the report names it, e.g. ``ref (V100, 1 device(s))``.
     """
 
     baseline: str
@@ -243,6 +244,16 @@ class BaselineVerdict:
     differences: tuple[str, ...]
     like_for_like: bool
     why_not: str
+    label: str = ""
+
+    @property
+    def refusal(self) -> str:
+        """The one-line refusal of a headline ratio ('' when like for like)."""
+        if self.like_for_like:
+            return ""
+        differs = f"; differs: {'; '.join(self.differences)}" if self.differences else ""
+        return (f"{self.study} ({self.strategy}) vs {self.label or self.baseline}: no headline ratio, "
+                f"not like for like ({self.why_not}{differs}).")
 
 
 def _known(value: object) -> str:
@@ -307,7 +318,9 @@ def baseline_verdict(base: Mapping[str, object], study_runs: pd.DataFrame, row: 
     if theirs_batch and ours_batch and theirs_batch != ours_batch:
         differences.append(f"per-device batch {theirs_batch} vs {ours_batch}")
         refuse.append("per-device batch differs")
+    devices = _known(base.get("devices")) or "1"
     return BaselineVerdict(
+        label=f"{base.get('name')} ({theirs_device or 'device unknown'}, {devices} device(s))",
         baseline=str(base.get("name")),
         study=str(row.get("study")),
         strategy=str(row.get("strategy")),
@@ -384,12 +397,7 @@ class Review:
                 lines.append(f"{verdict.study} ({verdict.strategy}): no meaningful fit: {verdict.reason}.")
         for flag in self.points:
             lines.append(f"{flag.study} ({flag.strategy}) N={flag.world_size}: {flag.text}.")
-        for verdict in self.baselines:
-            if not verdict.like_for_like:
-                lines.append(
-                    f"baseline {verdict.baseline} vs {verdict.study} ({verdict.strategy}): not like for like "
-                    f"({verdict.why_not}); no headline ratio."
-                )
+        lines += [verdict.refusal for verdict in self.baselines if not verdict.like_for_like]
         return tuple(lines)
 
 

@@ -410,20 +410,23 @@ def report_blocks(
                 (comparisons["study"] == study) & (comparisons["strategy"] == strategy)
                 & (comparisons["world_size"] == n)
             ]
+            refused = []
             for _, row in mine.iterrows():
                 base_row = baselines[baselines["name"] == row["baseline"]].iloc[0]
                 verdict = checks.baseline(str(row["baseline"]), str(study), str(strategy))
                 who = f"{row['baseline']} ({row['baseline_device']}, {int(base_row['devices'])} device(s))"
                 if verdict is not None and not verdict.like_for_like:
-                    headline.append(
-                        f"{study} ({strategy}) vs {who}: no headline ratio, not like for like "
-                        f"({verdict.why_not}{_differences(verdict)}). The Baselines section lists the raw ratios."
-                    )
+                    refused.append(str(row["baseline"]))
                 else:
                     headline.append(
                         f"{study} ({strategy}): {n} {_unit(study_runs, n)} here = {row['times']:.2f} times "
                         f"{who}{_differences(verdict)}."
                     )
+            if refused:
+                headline.append(
+                    f"{study} ({strategy}): no headline ratio against {', '.join(refused)}: not like for like "
+                    "(what differs: Warnings; the raw ratios: Baselines)."
+                )
     if headline:
         blocks += [Heading(2, "Summary"), Bullets(tuple(headline))]
     if checks.warnings:

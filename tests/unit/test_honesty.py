@@ -91,6 +91,7 @@ def test_an_unlike_baseline_gets_no_headline_ratio_but_a_like_one_does(tmp_path:
     assert ("study (ddp) vs v100-resnet50 (Tesla V100, 1 device(s)): no headline ratio, not like for like "
             "(model differs; per-device batch differs; differs: model resnet50 vs tiny_cnn; dataset imagenet vs "
             "synthetic; device Tesla V100 vs CPU; per-device batch 256 vs 32)") in md
+    assert "study (ddp): no headline ratio against v100-resnet50: not like for like" in md  # in the Summary
     assert "here = 0.98 times v100-resnet50" not in md and "times v100-resnet50" not in md
     # Same model, precision and per-device batch: the headline ratio stands (360 / 50 = 7.20).
     assert "study (ddp): 4 CPU processes here = 7.20 times other-cpu (Xeon 6248, 1 device(s)); differs: device " \
