@@ -98,6 +98,9 @@ class _Run:
         self.window_samples = 0.0
         self.window_losses: list[Any] = []
         self.first_samples: float | None = None
+        from cyclone_kit.runtime import power
+
+        self.energy = power.start_meter(ctx.device)  # GPU energy for the rank summary (NVML), else None
 
     def begin(self, samples: float | None) -> None:
         if self.started:
@@ -313,7 +316,9 @@ def finish(status: str | None = None) -> str:
     steps = run.last_step if run.last_step is not None else run.start_step
     run.begin(None)
     run.flush_window(steps)
-    run.session.end(status, steps, release_signals=False)  # kept through the teardown: a requeue's SIGTERM is recorded
+    energy = run.energy.stop() if run.energy is not None else None
+    run.session.end(status, steps, release_signals=False,  # kept through the teardown: a requeue's SIGTERM is recorded
+                    energy_j=energy)
     run.session.close()
     _run, _finished = None, True
     return status

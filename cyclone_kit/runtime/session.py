@@ -190,11 +190,12 @@ class Session:
 
     # ------------------------------------------------------------------ end
     def end(self, status: str, steps: int, total_steps: int | None = None, peak_memory_bytes: int | None = None,
-            wall_time_s: float | None = None, release_signals: bool = True) -> None:
+            wall_time_s: float | None = None, release_signals: bool = True, energy_j: float | None = None) -> None:
         """Close the segment: the ``end`` record (rank 0), this rank's summary, the closing line,
         ``scontrol requeue`` (rank 0) when the agreed stop was the requeue signal under Slurm and
         requeues are left, then the signal handlers restored (unless ``release_signals`` is False:
-        then :meth:`close` restores them after the teardown)."""
+        then :meth:`close` restores them after the teardown). ``energy_j``: the rank's GPU energy
+        for its summary (:mod:`cyclone_kit.runtime.power`), when measured."""
         if self.ended:
             return
         self.ended = True
@@ -209,7 +210,7 @@ class Session:
             return
         mx.write_rank_summary(self.run_dir, self.env.rank, self.host, self.device.torch_device,
                               mx.steady_state(self.local_rates), peak_memory_bytes
-                              if peak_memory_bytes is not None else peak_memory(self.device))
+                              if peak_memory_bytes is not None else peak_memory(self.device), energy_j=energy_j)
         if self.env.is_main:
             of = f"/{total_steps}" if total_steps is not None else ""
             print(f"cyclone_kit: {status} at step {steps}{of} in {wall:.1f} s"

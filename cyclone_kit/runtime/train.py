@@ -38,6 +38,7 @@ from cyclone_kit.config import JobSpec, TrainConfig
 from cyclone_kit.errors import ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
+from cyclone_kit.runtime import power
 from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
@@ -437,6 +438,7 @@ class _Loop:
         self.sharded = strategy.sharded and session.distributed
         self.no_sync = strategy.no_sync(wrapped) if session.distributed else None
         self.bar: Any = None
+        self.energy = power.start_meter(dev)  # NVML, GPU runs with nvidia-ml-py only; None otherwise
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
     def _step(self, batches: Any, window: _Window, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -503,7 +505,8 @@ class _Loop:
         self._checkpoint(step, epoch)
         status = "completed" if agreed == NONE else "preempted"
         # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
-        session.end(status, step, plan.total_steps)
+        session.end(status, step, plan.total_steps,
+                    energy_j=self.energy.stop() if self.energy is not None else None)
         return status
 
     def _start_epoch(self, epoch: int, step: int) -> None:
