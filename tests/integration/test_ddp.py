@@ -27,7 +27,12 @@ from cyclone_kit.runtime.data import DEBIAN_FASHION_MNIST
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "jobs" / "smoke.toml"
+#: Hang guard (not a performance bound): the slowest wait here (5 concurrent ranks, 30 steps) takes
+#: ~20 s on a 2-core machine; this leaves >= 10x for a slower or busier one.
 TIMEOUT_S = 240
+#: A process-group timeout no test waits for: a rank that exits within TIMEOUT_S after its peer died
+#: noticed the death itself, it did not sit out the gloo timeout.
+PG_TIMEOUT_NEVER_S = 3600
 
 
 def free_port() -> int:
@@ -216,18 +221,23 @@ def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(
 # ------------------------------------------------------------------------ failures never hang
 def test_a_killed_rank_makes_the_other_exit_promptly_with_an_error_record(tmp_path: Path) -> None:
     run = tmp_path / "killed"
-    write_spec(run, steps=100000, log_every=1, pg_timeout_s=60)
+    # "Promptly" as an event, not a bound: rank 0 must exit by itself (within the hang guard) although
+    # its process-group timeout is far longer than the guard, so it noticed the dead peer.
+    write_spec(run, steps=100000, log_every=1, pg_timeout_s=PG_TIMEOUT_NEVER_S)
     procs = start_ranks(run, 2)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline and not (metrics.is_file() and '"kind":"step"' in metrics.read_text()):
         time.sleep(0.05)
+    assert metrics.is_file() and '"kind":"step"' in metrics.read_text(), "training never started"
     procs[1].kill()
     killed_at = time.monotonic()
-    (code0, _, _err0), _ = finish(procs, timeout=90)
+    results = finish(procs[:1], timeout=TIMEOUT_S)  # killed by the test only on the hang guard
+    finish(procs[1:])
+    (code0, _, _err0), = results
     took = time.monotonic() - killed_at
     print(f"rank 0 exited {code0} {took:.1f} s after rank 1 was killed")
-    assert code0 not in (0, None) and took < 60, f"rank 0 exited {code0} after {took:.1f} s"
+    assert code0 not in (0, None) and code0 != -signal.SIGKILL, f"rank 0 exited {code0} after {took:.1f} s"
     record = json.loads((run / "ranks" / "error-rank-00000.json").read_text())
     assert record["rank"] == 0 and record["traceback"] and record["type"]
     assert records(run)[-1]["status"] == "failed"
