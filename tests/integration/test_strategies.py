@@ -242,6 +242,14 @@ def _horovod_missing() -> str | None:
     return None
 
 
+#: horovodrun's --start-timeout and HOROVOD_GLOO_TIMEOUT_SECONDS (hang guards, not performance bounds):
+#: the engine's workers start in ~8 s here, so 150 s leaves a machine 5x slower room.
+HVD_START_S = 150
+#: pytest-timeout of the Horovod tests: two horovodrun runs (each under the 240 s hang guard of
+#: run_horovodrun) plus the module's DDP reference runs.
+HVD_TEST_TIMEOUT_S = 900
+
+
 def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
     """The engine on ``run_dir`` under ``horovodrun --gloo`` (the whole process tree killed on timeout)."""
     import contextlib
@@ -254,8 +262,9 @@ def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
     from tests.integration.test_ddp import REPO, clean_env
 
     cmd = horovodrun_command(str(run_dir), np, python=sys.executable)
-    cmd = [sys.executable, str(Path(sys.executable).parent / "horovodrun"), *cmd[1:2], "--start-timeout", "60", *cmd[2:]]
-    env = {**clean_env(), "HOROVOD_GLOO_TIMEOUT_SECONDS": "60", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(Path(sys.executable).parent / "horovodrun"), *cmd[1:2], "--start-timeout", str(HVD_START_S),
+           *cmd[2:]]
+    env = {**clean_env(), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(HVD_START_S), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -275,6 +284,7 @@ def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
     return out
 
 
+@pytest.mark.timeout(HVD_TEST_TIMEOUT_S)
 def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
     """horovodrun --gloo, 2 ranks x batch 32: the DDP losses; a copy of its step-10 checkpoint resumes."""
     missing = _horovod_missing()
@@ -308,6 +318,7 @@ def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Pa
     assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.timeout(HVD_TEST_TIMEOUT_S)
 def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[str, Path], tmp_path: Path) -> None:
     """2 ranks x 16 x 2 accumulated passes (backward_passes_per_step=2), fp16 gradient compression:
     the same global batch of 64, so the DDP losses up to fp16 rounding of the gradients."""
@@ -325,6 +336,7 @@ def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[
     assert len(hvd) == 12 and hvd == pytest.approx(ddp, rel=2e-2, abs=2e-3)
 
 
+@pytest.mark.timeout(HVD_TEST_TIMEOUT_S)
 def test_horovod_ranks_from_another_launcher_meet_through_the_gloo_rendezvous(runs: dict[str, Path],
                                                                                tmp_path: Path) -> None:
     """Two torchrun-style processes (no horovodrun, a Gloo-only Horovod): cyclone_kit runs Horovod's
