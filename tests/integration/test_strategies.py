@@ -15,7 +15,14 @@ import torch
 from cyclone_kit.runtime import checkpoint as ck
 from tests.integration.test_ddp import final_params, finish, records, run_ranks, start_ranks, write_spec
 
-pytestmark = pytest.mark.slow
+#: Hang guard (not a performance bound) for the module's reference runs: 6 ranks at once on 2 cores
+#: took 51 s on this machine under load (~9); >= 10x an idle run.
+RUNS_HANG_S = 600
+#: pytest-timeout of every test here: the first one also pays for the reference runs, the Horovod
+#: ones run horovodrun twice (each under run_horovodrun's 240 s guard).
+TEST_TIMEOUT_S = 900
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
 #: 640 samples, batch 32 x 2 ranks: 10 optimizer steps per epoch, 12 steps cross one epoch boundary.
 COMMON = dict(batch_size=32, log_every=1, synthetic_samples=640, steps=12, val_samples=128)
@@ -31,7 +38,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_spec(runs["pipeline"], strategy="pipeline", microbatches=4, **{**COMMON, "batch_size": 64})
     # every_steps=10 in smoke.toml: checkpoints at step 10 and the final 12.
     procs = start_ranks(runs["ddp"], 2) + start_ranks(runs["fsdp"], 2) + start_ranks(runs["pipeline"], 2)
-    for i, (code, out, err) in enumerate(finish(procs)):
+    for i, (code, out, err) in enumerate(finish(procs, timeout=RUNS_HANG_S)):
         assert code == 0, f"process {i} exited {code}\n{out}\n{err}"
     return runs
 
@@ -245,9 +252,6 @@ def _horovod_missing() -> str | None:
 #: horovodrun's --start-timeout and HOROVOD_GLOO_TIMEOUT_SECONDS (hang guards, not performance bounds):
 #: the engine's workers start in ~8 s here, so 150 s leaves a machine 5x slower room.
 HVD_START_S = 150
-#: pytest-timeout of the Horovod tests: two horovodrun runs (each under the 240 s hang guard of
-#: run_horovodrun) plus the module's DDP reference runs.
-HVD_TEST_TIMEOUT_S = 900
 
 
 def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
@@ -284,7 +288,6 @@ def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
     return out
 
 
-@pytest.mark.timeout(HVD_TEST_TIMEOUT_S)
 def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
     """horovodrun --gloo, 2 ranks x batch 32: the DDP losses; a copy of its step-10 checkpoint resumes."""
     missing = _horovod_missing()
@@ -318,7 +321,6 @@ def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Pa
     assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.timeout(HVD_TEST_TIMEOUT_S)
 def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[str, Path], tmp_path: Path) -> None:
     """2 ranks x 16 x 2 accumulated passes (backward_passes_per_step=2), fp16 gradient compression:
     the same global batch of 64, so the DDP losses up to fp16 rounding of the gradients."""
@@ -336,7 +338,6 @@ def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[
     assert len(hvd) == 12 and hvd == pytest.approx(ddp, rel=2e-2, abs=2e-3)
 
 
-@pytest.mark.timeout(HVD_TEST_TIMEOUT_S)
 def test_horovod_ranks_from_another_launcher_meet_through_the_gloo_rendezvous(runs: dict[str, Path],
                                                                                tmp_path: Path) -> None:
     """Two torchrun-style processes (no horovodrun, a Gloo-only Horovod): cyclone_kit runs Horovod's
