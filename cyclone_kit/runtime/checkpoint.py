@@ -76,8 +76,6 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
     for stale in folder.glob(".ckpt-*.tmp"):  # left by a process killed while writing
         if stale.name != Path(tmp).name:
             stale.unlink(missing_ok=True)
-    # in the job's log: after a cancel or a signal, the log shows the last checkpoint a resume starts from
-    print(f"cyclone_kit: checkpoint of step {step} written: {final}", flush=True)
     return final
 
 

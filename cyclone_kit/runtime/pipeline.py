@@ -590,7 +590,8 @@ class _State:
             }
             if self.scaler is not None:
                 state["loss_scale"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.spec.checkpoint.keep)
+            path = ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.spec.checkpoint.keep)
+            print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
         if self.distributed:  # the others wait while rank 0 writes: on gloo, off NCCL's watchdog
             import torch.distributed as dist
 

@@ -614,7 +614,8 @@ class _Loop:
             }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.cc.keep)
+            path = ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.cc.keep)
+            print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
             if optim_format == "dcp":
                 from cyclone_kit.runtime import fsdp_ckpt
 
