@@ -155,7 +155,7 @@ def _report_row(study: StudyDir) -> JobRow | None:
     report = (study.read_submitted() or {}).get("report")
     if not isinstance(report, dict):
         return None
-    name = f"{study.read_sweep().get('name', study.path.name)}-report"
+    name = f"{study.read_sweep().get('study', study.path.name)}-report"
     if report.get("job_id"):
         try:
             return job_row(str(report["job_id"]), name)
@@ -182,7 +182,7 @@ def rows(target: Target) -> list[JobRow]:
         return study_rows(StudyDir(target.path))  # type: ignore[arg-type]
     if target.kind == "report":
         study = StudyDir(target.path)  # type: ignore[arg-type]
-        return [job_row(str(target.job_id), f"{study.read_sweep().get('name', study.path.name)}-report")]
+        return [job_row(str(target.job_id), f"{study.read_sweep().get('study', study.path.name)}-report")]
     return [job_row(str(target.job_id))]
 
 

@@ -73,13 +73,13 @@ def run(args: argparse.Namespace) -> int:
             ended = source.ended() if args.follow else False
             if not has_logs and not ended:
                 row = source.state()
+                prefix = f"{source.label}: " if len(sources) > 1 else ""
                 if row.waiting and said.get(source.label) != row.note:
                     tail = "; waiting for it to start (Ctrl-C stops waiting)" if args.follow else "; no logs yet"
-                    print(f"{source.label}: {row.note}{tail}" if len(sources) > 1 else f"{row.note}{tail}",
-                          flush=True)
+                    print(f"{prefix}{row.note}{tail}", flush=True)
                     said[source.label] = row.note or ""
                 elif not row.waiting and said.get(source.label) and said[source.label] != "started":
-                    print(f"{source.label}: job {row.job_id} is {row.state.value}; waiting for its logs", flush=True)
+                    print(f"{prefix}job {row.job_id} is {row.state.value}; waiting for its logs", flush=True)
                     said[source.label] = "started"
             if ended:
                 _print_new(source, offsets, args.lines)  # what it wrote while ending

@@ -145,9 +145,13 @@ def explain_state(job_id: str, state: JobState, reason: str, restart_count: int 
         return f"{head}: suspended by the scheduler; it resumes where it stopped"
     if restart_count or state is JobState.REQUEUED:
         times = f"{restart_count} time(s)" if restart_count else "again"
+        held = " and held; `scontrol release {id}` lets it run"
         why = {"BeginTime": "; Slurm holds a requeued job until its begin time, a short delay after the requeue",
                "JobHeldUser": " and held by its owner; `scontrol release {id}` lets it run",
-               "JobHeldAdmin": " and held by an administrator"}.get(reason, "; " + PENDING_REASONS.get(reason, "it waits"))
+               "job requeued in held state": held, "job_requeued_in_held_state": held,
+               "JobHeldAdmin": " and held by an administrator"}.get(reason)
+        if why is None:
+            why = f"; {PENDING_REASONS[reason]}" if reason in PENDING_REASONS else ""
         return f"{head}: requeued {times}{why.format(id=job_id)}; it then resumes from its last checkpoint"
     why = PENDING_REASONS.get(reason)
     return f"{head}: {why.format(id=job_id)}" if why else head

@@ -20,7 +20,9 @@ from cyclone_kit.slurm.states import JobState, explain_state
     (JobState.PENDING, "BeginTime", 1, "job 44 is PENDING (BeginTime): requeued 1 time(s); Slurm holds a requeued "
                                        "job until its begin time"),
     (JobState.PENDING, "JobHeldUser", 2, "job 44 is PENDING (JobHeldUser): requeued 2 time(s) and held by its owner"),
-    (JobState.REQUEUED, "", None, "job 44 is REQUEUED: requeued again"),
+    (JobState.REQUEUED, "", None, "job 44 is REQUEUED: requeued again; it then resumes"),
+    (JobState.PENDING, "job requeued in held state", 1,
+     "job 44 is PENDING (job requeued in held state): requeued 1 time(s) and held; `scontrol release 44`"),
     (JobState.PENDING, "SomethingNew", 0, "job 44 is PENDING (SomethingNew)"),
 ])
 def test_explain_state_says_why_a_job_waits(state, reason, restarts, expected):
@@ -47,7 +49,7 @@ def test_cancel_request_applies_to_the_job_it_named(tmp_path):
 def _study(tmp_path, report_id="900"):
     study = StudyDir(RunDir.create(tmp_path, "st", "{}\n").path)  # any directory; replaced by the study's files
     (study.path / "spec.json").unlink()
-    study.sweep.write_text(json.dumps({"name": "st", "points": []}))
+    study.sweep.write_text(json.dumps({"study": "st", "points": []}))
     for name, job_id in (("p1", "101"), ("p2", "102")):
         rd = study.run(name)
         rd.logs.mkdir(parents=True)
