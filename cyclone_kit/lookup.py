@@ -196,6 +196,7 @@ class LogSource:
         files: lists the job's log files now.
         state: the job's row now (state, reason, why it waits).
         ended: True once the job will write no more (its run's end record, or a terminal state).
+        run_dir: the run directory (None for a report job).
     """
 
     label: str
@@ -203,6 +204,7 @@ class LogSource:
     files: Callable[[], list[Path]]
     state: Callable[[], JobRow]
     ended: Callable[[], bool]
+    run_dir: Path | None = None
 
 
 def _run_files(run_dir: Path) -> list[Path]:
@@ -230,7 +232,7 @@ def _run_ended(run_dir: Path) -> bool:
 
 def _run_source(run_dir: Path, base: Path) -> LogSource:
     return LogSource(f"run {run_dir.name}", base, lambda: _run_files(run_dir), lambda: run_row(run_dir),
-                     lambda: _run_ended(run_dir))
+                     lambda: _run_ended(run_dir), run_dir)
 
 
 def _report_source(study: StudyDir, job_id: str | None, base: Path) -> LogSource:

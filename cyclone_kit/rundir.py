@@ -242,6 +242,15 @@ class RunDir:
         data = read_json(self.launch)
         return data if isinstance(data, dict) else None
 
+    def end_record(self) -> dict[str, Any] | None:
+        """The last ``end`` record in ``metrics.jsonl`` (None if there is none)."""
+        return last_end_record(self.metrics)
+
+    def newest_checkpoint(self) -> Path | None:
+        """The checkpoint written last (None when there is none)."""
+        found = [p for p in self.checkpoints.glob("*") if not p.name.startswith(".")] if self.checkpoints.is_dir() else []
+        return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+
     def end_status(self) -> str | None:
         """The status of the last ``end`` record in ``metrics.jsonl`` (None if there is none)."""
         return last_end_status(self.metrics)
@@ -405,9 +414,9 @@ def is_run_dir(path: Path) -> bool:
     return RunDir(path).is_run_dir()
 
 
-def last_end_status(metrics: Path) -> str | None:
-    """The status of the last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
-    status = None
+def last_end_record(metrics: Path) -> dict[str, Any] | None:
+    """The last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
+    found = None
     try:
         lines = Path(metrics).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -418,8 +427,14 @@ def last_end_status(metrics: Path) -> str | None:
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("kind") == "end":
-            status = str(rec.get("status"))
-    return status
+            found = rec
+    return found
+
+
+def last_end_status(metrics: Path) -> str | None:
+    """The status of the last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
+    rec = last_end_record(metrics)
+    return None if rec is None else str(rec.get("status"))
 
 
 def read_run(run_dir: Path) -> RunRecord:

@@ -85,5 +85,31 @@ def run(args: argparse.Namespace) -> int:
                 _print_new(source, offsets, args.lines)  # what it wrote while ending
                 done.add(source.label)
         if not args.follow or len(done) == len(sources):
+            for source in sources:
+                if source.run_dir is not None:
+                    _stop_footer(source.run_dir, offsets)
             return 0
         time.sleep(args.poll)
+
+
+def _stop_footer(run_dir: Path, offsets: dict[Path, int]) -> None:
+    """After a stop (cancel, signal), say where the run ended and its last checkpoint, from the run directory.
+
+    When Slurm cancels a job, srun may be gone before it forwarded the ranks' last lines (the
+    checkpoint they wrote on the signal, the end line): the end record and the checkpoint exist,
+    the log does not say so. This line does.
+    """
+    from cyclone_kit.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    end = rd.end_record()
+    if not end or end.get("status") not in ("cancelled", "preempted"):
+        return
+    said = f"{end.get('status')} at step {end.get('steps')}/"
+    text = "".join(p.read_text(errors="replace") for p in offsets if p.is_relative_to(rd.path) and p.is_file())
+    if said in text:
+        return
+    newest = rd.newest_checkpoint()
+    where = f"; last checkpoint written: {newest.relative_to(rd.path)}" if newest else "; no checkpoint written"
+    print(f"cyclone_kit: {end.get('status')} at step {end.get('steps')} (from {rd.metrics.name}: the job's output "
+          f"stopped before its last lines){where}")

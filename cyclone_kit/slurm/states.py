@@ -153,5 +153,5 @@ def explain_state(job_id: str, state: JobState, reason: str, restart_count: int 
         if why is None:
             why = f"; {PENDING_REASONS[reason]}" if reason in PENDING_REASONS else ""
         return f"{head}: requeued {times}{why.format(id=job_id)}; it then resumes from its last checkpoint"
-    why = PENDING_REASONS.get(reason)
+    why = PENDING_REASONS.get(reason or "None")
     return f"{head}: {why.format(id=job_id)}" if why else head

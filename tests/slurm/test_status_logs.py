@@ -183,7 +183,7 @@ def test_study_directory_and_report_job_id(slurm_cluster: dict[str, str], tmp_pa
     assert final.state is JobState.COMPLETED, final
     assert status.returncode == 0 and status.stdout.startswith(f"study {study}"), status.stdout + status.stderr
     for name, job_id in point_ids:
-        assert re.search(rf"^{job_id}\s+smoke\s+COMPLETED\s", status.stdout, re.M), (name, status.stdout)
+        assert re.search(rf"^{job_id}\s+st-ws\d\s+COMPLETED\s", status.stdout, re.M), (name, status.stdout)
     assert re.search(rf"^{report_id}\s+st-report\s+COMPLETED\s", status.stdout, re.M), status.stdout
     assert by_id.returncode == 0 and f"report job of study {study}" in by_id.stdout, by_id.stdout + by_id.stderr
     assert re.search(rf"^{report_id}\s+st-report\s+COMPLETED\s", by_id.stdout, re.M), by_id.stdout
