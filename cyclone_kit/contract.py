@@ -9,7 +9,8 @@ Files (inside a run directory, see :class:`cyclone_kit.rundir.RunDir`):
 * :data:`METRICS_FILE` (``metrics.jsonl``): one JSON object a line, each with ``"kind"`` and
   ``"schema": 1``, written by rank 0 and flushed per line. A requeued or resumed run appends
   another ``start ... end`` segment.
-* ``ranks/rank-NNNNN.json`` (:func:`rank_summary_name`): one summary per rank.
+* ``ranks/rank-NNNNN.json`` (:func:`rank_summary_name`): one summary per rank
+  (:data:`RANK_SUMMARY_FIELDS`, plus ``energy_j`` on GPU runs that measured it).
 
 Records (the fields every writer must give; a writer may add more):
 
@@ -55,6 +56,8 @@ STEP_FIELDS = ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_p
 EPOCH_FIELDS = ("epoch", "val_accuracy", "epoch_time_s", "time")
 END_FIELDS = ("status", "steps", "samples_per_s", "wall_time_s", "time")
 RANK_SUMMARY_FIELDS = ("rank", "host", "device", "samples_per_s", "peak_memory_bytes")
+#: Rank-summary fields written only when measured: the GPU energy in joules (NVML, cyclone_kit.runtime.power).
+RANK_SUMMARY_OPTIONAL_FIELDS = ("energy_j",)
 #: kind -> the fields a record of that kind must carry.
 FIELDS: Mapping[str, tuple[str, ...]] = {"start": START_FIELDS, "step": STEP_FIELDS, "epoch": EPOCH_FIELDS,
                                          "end": END_FIELDS}
@@ -110,10 +113,13 @@ def end_record(status: str, steps: int, samples_per_s: float | None, wall_time_s
 
 
 def rank_summary(rank: int, host: str, device: str, samples_per_s: float | None,
-                 peak_memory_bytes: int | None) -> dict[str, Any]:
-    """A rank's summary (``ranks/rank-NNNNN.json``; pure)."""
-    return {"rank": rank, "host": host, "device": device, "samples_per_s": samples_per_s,
-            "peak_memory_bytes": peak_memory_bytes}
+                 peak_memory_bytes: int | None, energy_j: float | None = None) -> dict[str, Any]:
+    """A rank's summary (``ranks/rank-NNNNN.json``; pure); ``energy_j`` only when measured."""
+    summary = {"rank": rank, "host": host, "device": device, "samples_per_s": samples_per_s,
+               "peak_memory_bytes": peak_memory_bytes}
+    if energy_j is not None:
+        summary["energy_j"] = energy_j
+    return summary
 
 
 def missing_fields(rec: Mapping[str, Any]) -> tuple[str, ...]:

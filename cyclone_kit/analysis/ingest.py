@@ -438,7 +438,8 @@ class Ingested:
         epochs: every epoch record: ``run_dir``, ``segment`` and the contract's ``EPOCH_FIELDS``
             (``epoch``, ``val_accuracy``, ``epoch_time_s``, ``time``).
         ranks: per-rank summaries: ``run_dir`` and the contract's ``RANK_SUMMARY_FIELDS`` (``rank``,
-            ``host``, ``device``, ``samples_per_s``, ``peak_memory_bytes``).
+            ``host``, ``device``, ``samples_per_s``, ``peak_memory_bytes``) and
+            ``RANK_SUMMARY_OPTIONAL_FIELDS`` (``energy_j``: NVML, GPU runs only; empty elsewhere).
         warnings: one line per problem found (also emitted as :class:`MetricsWarning`).
     """
 
@@ -531,9 +532,9 @@ def _read_rank_files(run_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError) as exc:
             notes.append(f"{file}: ignored ({exc})")
             continue
-        row = {name: data.get(name) for name in contract.RANK_SUMMARY_FIELDS}
+        row = {name: data.get(name) for name in (*contract.RANK_SUMMARY_FIELDS, *contract.RANK_SUMMARY_OPTIONAL_FIELDS)}
         row.update(rank=_integer(row["rank"]), samples_per_s=_number(row["samples_per_s"]),
-                   peak_memory_bytes=_number(row["peak_memory_bytes"]))
+                   peak_memory_bytes=_number(row["peak_memory_bytes"]), energy_j=_number(row["energy_j"]))
         rows.append(row)
     return rows
 
@@ -634,7 +635,8 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
         if column not in epochs:
             epochs[column] = pd.Series(dtype=float)
     epochs = epochs[epoch_columns]
-    ranks = pd.DataFrame(rank_rows, columns=["run_dir", *contract.RANK_SUMMARY_FIELDS])
+    ranks = pd.DataFrame(rank_rows, columns=["run_dir", *contract.RANK_SUMMARY_FIELDS,
+                                             *contract.RANK_SUMMARY_OPTIONAL_FIELDS])
     if warn:
         for note in notes:
             warnings.warn(note, MetricsWarning, stacklevel=2)

@@ -89,11 +89,15 @@ class MetricsWriter:
 
 
 def write_rank_summary(run_dir: Path, rank: int, host: str, device: str, samples_per_s: float | None,
-                       peak_memory_bytes: int | None) -> Path:
-    """Write ``ranks/rank-<rank:05d>.json`` atomically; returns its path."""
+                       peak_memory_bytes: int | None, energy_j: float | None = None) -> Path:
+    """Write ``ranks/rank-<rank:05d>.json`` atomically; returns its path.
+
+    ``energy_j``: the rank's GPU energy from NVML (:mod:`cyclone_kit.runtime.power`); left out when not measured.
+    """
     path = RunDir(run_dir).rank_summary(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(rank_summary(rank, host, device, samples_per_s, peak_memory_bytes)) + "\n")
+    summary = rank_summary(rank, host, device, samples_per_s, peak_memory_bytes, energy_j=energy_j)
+    write_atomic(path, json.dumps(summary) + "\n")
     return path
 
 

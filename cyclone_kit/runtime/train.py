@@ -37,6 +37,7 @@ from cyclone_kit.errors import CommandError, ValidationError
 from cyclone_kit.rundir import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
+from cyclone_kit.runtime import power
 from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import (
     DeviceChoice,
@@ -426,6 +427,7 @@ class _Loop:
         self.sharded = spec.train.strategy == "fsdp" and distributed
         self.no_sync = _fsdp_no_sync(wrapped) if self.sharded else getattr(wrapped, "no_sync", None)
         self.bar: Any = None
+        self.energy = power.start_meter(dev)  # NVML, GPU runs with nvidia-ml-py only; None otherwise
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
     def _step(self, batches: Any, window: _Window, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -634,7 +636,8 @@ class _Loop:
 
             peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         mx.write_rank_summary(self.run_dir, self.env.rank, self.host, self.device.torch_device,
-                              mx.steady_state(self.local_rates), peak)
+                              mx.steady_state(self.local_rates), peak,
+                              energy_j=self.energy.stop() if self.energy is not None else None)
 
     def _after_stop(self, agreed: int) -> None:
         if not self.env.is_main:
