@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
                 elif not row.waiting and said.get(source.label) and said[source.label] != "started":
                     print(f"{prefix}job {row.job_id} is {row.state.value}; waiting for its logs", flush=True)
                     said[source.label] = "started"
+                elif not row.waiting and not args.follow:
+                    what = f"job {row.job_id} is {row.state.value}" if row.job_id != "-" else "never submitted or run"
+                    print(f"{prefix}{what}; no logs yet", flush=True)
             if ended:
                 _print_new(source, offsets, args.lines)  # what it wrote while ending
                 done.add(source.label)
