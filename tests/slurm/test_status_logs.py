@@ -22,10 +22,10 @@ from cyclone_kit.slurm.states import JobState
 from tests.conftest import REPO, run_cli
 from tests.slurm.test_faults import cancel_quietly, steps_logged, submit_smoke, wait_for
 
-pytestmark = [pytest.mark.slurm]
-
 #: hang guards only (a broken job or cluster); every wait is for an event
 HANG_S = 600
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(3 * HANG_S)]
 HOLD = 'resources.extra_sbatch=["--hold"]'
 
 
