@@ -15,6 +15,7 @@ falls back to what its run directory recorded. Nothing here prints.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +137,7 @@ def run_row(run_dir: Path) -> JobRow:
         if rec.end_status == "cancelled":
             info = JobInfo(handle.job_id, rec.name, JobState.CANCELLED, 0, "", 0, "", None, None)
         row = _row(info, rec.name, cause=rec.root_cause, scheduler=False)
-        return JobRow(**{**row.__dict__, "reason": f"from the run directory ({str(e).split(';')[0]})"})
+        return dataclasses.replace(row, reason=f"from the run directory ({str(e).split(';')[0]})")
     return _row(info, rec.name, cause=rec.root_cause)
 
 

@@ -193,3 +193,19 @@ def test_study_directory_and_report_job_id(slurm_cluster: dict[str, str], tmp_pa
     for name, _ in point_ids:
         assert f"==> {name}/logs/" in study_logs.stdout, (name, study_logs.stdout[:2000])
     assert "==> logs/report-" in study_logs.stdout
+
+
+@pytest.mark.parametrize(("end", "code", "state"), [("completed", 0, "COMPLETED"), ("cancelled", 0, "CANCELLED"),
+                                                    ("failed", 1, "FAILED")])
+def test_job_slurm_forgot_is_shown_from_its_run_directory(slurm_cluster: dict[str, str], tmp_path: Path, end: str,
+                                                          code: int, state: str) -> None:
+    """A job id no squeue/sacct/scontrol knows any more: the run directory's end record answers."""
+    from cyclone_kit.rundir import RunDir
+
+    rd = RunDir.create(tmp_path, "old", '{"name": "old"}\n')
+    rd.write_submission("999999", "slurm")
+    rd.metrics.write_text(f'{{"kind": "end", "status": "{end}", "steps": 3}}\n')
+    status = run_cli("status", str(rd.path), timeout=HANG_S)
+    assert status.returncode == code, status.stdout + status.stderr
+    assert re.search(rf"^999999\s+old\s+{state}\s+-\s+-\s+from the run directory \(job 999999 not found", status.stdout,
+                     re.M), status.stdout
