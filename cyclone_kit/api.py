@@ -298,8 +298,9 @@ def finish(status: str | None = None) -> str:
     """End the run on this rank: the ``end`` record, requeue when preempted, teardown. Call last, on every rank.
 
     Args:
-        status: ``completed``, ``preempted`` or ``failed``; by default ``preempted`` when
-            :func:`stop_requested` said True, else ``completed``.
+        status: ``completed``, ``preempted``, ``cancelled`` or ``failed``; by default, when
+            :func:`stop_requested` said True, ``preempted`` (``cancelled`` after the user's
+            ``cyclone-kit cancel``), else ``completed``.
 
     Returns:
         The status written.
@@ -310,7 +311,7 @@ def finish(status: str | None = None) -> str:
     from cyclone_kit.runtime.signals import NONE
 
     if status is None:
-        status = "preempted" if run.session.agreed != NONE else "completed"
+        status = run.session.stop_status() if run.session.agreed != NONE else "completed"
     if status not in STATUSES:
         raise ApiUsageError(f"ck.finish(status={status!r}) is not a status", hint=f"use one of: {', '.join(STATUSES)}")
     steps = run.last_step if run.last_step is not None else run.start_step

@@ -18,6 +18,7 @@ from cyclone_kit.config import (
     spec_from_dict,
     spec_to_dict,
 )
+from cyclone_kit.errors import ValidationError
 from cyclone_kit.validate import ResolvedJob, resolve
 
 DEFAULT_SPEC = Path(__file__).parent / "jobs" / "default.toml"
@@ -53,11 +54,42 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, with_resources: bool =
         parser.add_argument("--account", help="Slurm account (project), e.g. p163")
         parser.add_argument("--launcher", help="srun (one task per GPU), torchrun (one task per node) or horovod")
     parser.add_argument("--name", help="job name (letters, digits, . _ + -)")
+    add_data_check_argument(parser)
+
+
+def add_data_check_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--no-data-check`` (train.data_dir is checked on this machine unless given)."""
+    parser.add_argument("--no-data-check", action="store_true",
+                        help="do not check that train.data_dir exists here (for a path only the compute nodes see)")
+
+
+def check_data_dir(spec: JobSpec) -> None:
+    """Refuse a ``train.data_dir`` that does not exist on this (login) node, before any queue wait.
+
+    Only datasets read from disk are checked; callers skip the check for ``--no-data-check``.
+
+    Raises:
+        ValidationError: the directory is missing or is not a directory.
+    """
+    if spec.train.dataset == "synthetic" or not spec.train.data_dir:
+        return
+    path = Path(spec.train.data_dir).expanduser()
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist on this machine"
+        raise ValidationError(
+            f"train.data_dir {spec.train.data_dir!r} {what}",
+            hint="fix the path (--set train.data_dir=/path/to/data), or pass --no-data-check "
+                 "if only the compute nodes can see it",
+        )
 
 
 def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The spec file (or embedded default), then --set, then explicit flags (pure but for the read)."""
     data = read_toml(Path(args.spec)) if args.spec else read_toml(DEFAULT_SPEC)
+    if args.spec and "sweep" in data:
+        command = "sweep" if getattr(args, "command", None) != "sweep" else "submit"
+        raise ValidationError(f"{args.spec} is a sweep spec (it has a [sweep] table), not a job spec",
+                              hint=f"run it with `cyclone-kit {command} {args.spec}`")
     reject_empty_strings(data, args.spec or str(DEFAULT_SPEC))
     flags = [(key, getattr(args, dest)) for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None]
     return set_fields(apply_overrides(data, args.overrides), flags)
@@ -66,7 +98,10 @@ def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def job_from_args(args: argparse.Namespace) -> ResolvedJob:
     """Build and validate the job the flags describe."""
     spec = spec_from_dict(spec_dict_from_args(args))
-    return resolve(spec, load_profile(spec.resources.profile))
+    job = resolve(spec, load_profile(spec.resources.profile))
+    if not getattr(args, "no_data_check", False):
+        check_data_dir(job.spec)
+    return job
 
 
 def resolved_spec(job: ResolvedJob) -> JobSpec:

@@ -479,7 +479,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     except BaseException:
         session.end("failed", step, plan.total_steps)
         raise
-    status = "completed" if agreed == NONE else "preempted"
+    status = "completed" if agreed == NONE else session.stop_status()  # a user's cancel: cancelled
     # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
     session.end(status, step, plan.total_steps)
     return status

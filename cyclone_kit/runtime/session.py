@@ -152,6 +152,7 @@ class Session:
         path = None
         if self.env.is_main and state is not None:
             path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
+            print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
             if after_write is not None:
                 after_write(self.checkpoint_dir)
         self.barrier()
@@ -189,6 +190,13 @@ class Session:
         return gather_to_main(obj, self.env, self.distributed)
 
     # ------------------------------------------------------------------ end
+    def stop_status(self) -> str:
+        """The end status of a segment that stopped on a signal: ``cancelled`` when the user asked
+        for the cancel (recorded in the run directory), else ``preempted``."""
+        from cyclone_kit.rundir import RunDir
+
+        return RunDir(self.run_dir).stop_status()
+
     def end(self, status: str, steps: int, total_steps: int | None = None, peak_memory_bytes: int | None = None,
             wall_time_s: float | None = None, release_signals: bool = True, energy_j: float | None = None) -> None:
         """Close the segment: the ``end`` record (rank 0), this rank's summary, the closing line,

@@ -503,7 +503,7 @@ class _Loop:
         if agreed == NONE and step % plan.steps_per_epoch:
             self._end_epoch(epoch, time.perf_counter() - epoch_t0, validate=tc.val_every_epochs > 0)
         self._checkpoint(step, epoch)
-        status = "completed" if agreed == NONE else "preempted"
+        status = "completed" if agreed == NONE else session.stop_status()  # a user's cancel: cancelled
         # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
         session.end(status, step, plan.total_steps,
                     energy_j=self.energy.stop() if self.energy is not None else None)
