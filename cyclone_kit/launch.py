@@ -42,6 +42,7 @@ per second), so the report's speed-up is T(N0) / T(N) of the whole script for th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -402,16 +403,10 @@ def _leave(code: int) -> None:
     if code == 0:
         import atexit
 
-        try:
-            atexit._run_exitfuncs()
-        except BaseException:  # noqa: BLE001 - an exit handler's failure is the script's failure
-            traceback.print_exc()
-            code = 1
+        atexit._run_exitfuncs()  # prints (and swallows) a failing handler's error, as at a normal exit
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 
