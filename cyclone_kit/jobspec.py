@@ -123,6 +123,13 @@ def checked_spec(spec: JobSpec) -> tuple[JobSpec, Any]:
     return dataclasses.replace(spec, script=checked.config), checked
 
 
+def check_backend(spec: JobSpec, backend: str) -> None:
+    """Refuse a backend that cannot run a user's script (submitit runs the built-in trainer's callable)."""
+    if spec.script is not None and backend == "submitit":
+        raise ValidationError(f"the submitit backend runs the built-in trainer, not {spec.script.label}",
+                              hint="use --backend slurm (default) or --backend local for a script")
+
+
 def fill_args(job: ResolvedJob) -> ResolvedJob:
     """The job with the placeholders in its script's args filled from its layout (pure)."""
     spec = job.spec

@@ -48,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, create, submit; returns 0, or 1 when a local point failed."""
+    import dataclasses
+
     from cyclone_kit.config import load_profile
     from cyclone_kit.errors import ValidationError
     from cyclone_kit.sweep import expand, load_sweep
@@ -58,14 +60,15 @@ def run(args: argparse.Namespace) -> int:
     ) if getattr(args, dest) is not None]
     sweep = load_sweep(args.sweep_spec, args.overrides, flags)
     if args.name:
-        import dataclasses
-
         sweep = dataclasses.replace(sweep, name=args.name)
     if args.no_report or args.serial:
-        import dataclasses
-
         sweep = dataclasses.replace(sweep, report=sweep.report and not args.no_report,
                                     serial=sweep.serial or args.serial)
+    if sweep.base.script is not None:  # the script exists and compiles; its hash goes into every point
+        from cyclone_kit.jobspec import check_backend, checked_spec
+
+        check_backend(sweep.base, args.backend)
+        sweep = dataclasses.replace(sweep, base=checked_spec(sweep.base)[0])
     profile = load_profile(sweep.base.resources.profile)
     runs = expand(sweep, profile)
     runs_dir = Path(args.runs_dir).absolute()
@@ -122,7 +125,7 @@ def _plan_text(sweep: Any, runs: Any, backend: str, runs_dir: Path) -> str:
 # --------------------------------------------------------------------------- side effects
 def _create_study(sweep: Any, runs: Any, profile: Any, backend: str, runs_dir: Path) -> Path:
     """Create the study directory with every run directory in it, all or nothing."""
-    from cyclone_kit.jobspec import spec_json
+    from cyclone_kit.jobspec import script_files, spec_json
     from cyclone_kit.render import render_script
     from cyclone_kit.rundir import create_run_dir, remove_run_dir, run_dir_name, write_atomic
     from cyclone_kit.sweep import sweep_record
@@ -136,6 +139,9 @@ def _create_study(sweep: Any, runs: Any, profile: Any, backend: str, runs_dir: P
             run_dir = study / r.name
             (run_dir / "logs").mkdir(parents=True)
             write_atomic(run_dir / "spec.json", spec_json(r.job))
+            for rel, content in script_files(r.job.spec).items():
+                (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(run_dir / rel, content)
             write_atomic(run_dir / "job.sbatch", render_script(r.job, run_dir))
             (run_dir / "job.sbatch").chmod(0o755)
         record = sweep_record(sweep, runs, profile, backend)
@@ -156,6 +162,7 @@ def _write_submitted(study: Path, backend: str, entries: list[dict[str, Any]], r
 def _run_local(sweep: Any, runs: Any, study: Path, *, quiet: bool) -> int:
     """Run every point here, one after another, then the report; 1 when a point failed."""
     from cyclone_kit.backends.local import _set_spec_threads, available_cores, format_failure, launch
+    from cyclone_kit.launch import shim_command
     from cyclone_kit.rundir import write_atomic
 
     entries: list[dict[str, Any]] = []
@@ -167,8 +174,12 @@ def _run_local(sweep: Any, runs: Any, study: Path, *, quiet: bool) -> int:
             threads = max(1, min(r.job.cpus_per_task, cores // r.world_size))
             _set_spec_threads(run_dir / "spec.json", threads)
             print(f"== {r.name}: {r.world_size} rank(s), {threads} thread(s) each", flush=True)
+            command = None
+            if r.job.spec.script is not None:
+                command = shim_command(r.job.spec.script, run_dir,
+                                       horovod=r.job.spec.resources.launcher == "horovod")
             result = launch(run_dir, r.world_size, r.job.nodes, threads=threads, job_name=r.job.spec.name,
-                            echo=None if quiet else sys.stdout)
+                            command=command, echo=None if quiet else sys.stdout)
             write_atomic(run_dir / "job_id", result.job_id + "\n")
             write_atomic(run_dir / "backend", "local\n")
             entries.append({"name": r.name, "run_dir": r.name, "job_id": result.job_id,
