@@ -357,7 +357,8 @@ def _run(shim: ShimArgs) -> int:
         _record_error(run_dir, rank, host, e, message="interrupted (SIGINT)")
     except BaseException as e:
         code, error = 1, f"{type(e).__name__}: {e}"
-        sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n{traceback.format_exc()}")
+        sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n")
+        sys.excepthook(type(e), e, e.__traceback__)  # as for any uncaught exception (ck's hook records it too)
         _record_error(run_dir, rank, host, e)
     if main_rank:
         assert run_dir is not None and metrics is not None
@@ -379,8 +380,8 @@ def watchdog_rank() -> int:
 
 def _record_error(run_dir: Path | None, rank: int, host: str, exc: BaseException, message: str | None = None) -> None:
     """Write this rank's error record (the root cause the launcher prints first)."""
-    if run_dir is None:
-        return
+    if run_dir is None or (run_dir / "ranks" / f"error-rank-{rank:05d}.json").exists():
+        return  # the script's own record (ck's exception hook) is kept
     try:
         from cyclone_kit.runtime.metrics import write_error_record
 
