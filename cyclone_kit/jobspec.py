@@ -84,8 +84,8 @@ def script_table_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
 def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The spec file (or embedded default), then --set, then explicit flags (pure but for the read).
 
-    ``SCRIPT.py`` or ``-m MODULE`` take the embedded default's resources and checkpoint sections
-    with a ``[script]`` table instead of its ``[train]``, named after the script.
+    ``SCRIPT.py`` or ``-m MODULE`` take the embedded default's resources (but its partition) and
+    checkpoint sections with a ``[script]`` table instead of its ``[train]``, named after the script.
     """
     script = script_table_from_args(args)
     if script is not None:
@@ -94,7 +94,9 @@ def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
         default = read_toml(DEFAULT_SPEC)
         data = {"name": job_name_for(ScriptConfig(path=script.get("path", ""), module=script.get("module", ""))),
-                "resources": default.get("resources", {}), "checkpoint": default.get("checkpoint", {}),
+                # the profile's default partition, not the embedded benchmark's
+                "resources": {k: v for k, v in default.get("resources", {}).items() if k != "partition"},
+                "checkpoint": default.get("checkpoint", {}),
                 "script": script}
     else:
         spec_path = Path(args.spec) if args.spec else DEFAULT_SPEC
