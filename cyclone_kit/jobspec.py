@@ -74,7 +74,7 @@ def script_table_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     if module:
         return {"module": module, "args": script_args}
     if is_script_path(args.spec):
-        return {"path": str(Path(args.spec).expanduser().absolute()), "args": script_args}
+        return {"path": str(args.spec), "args": script_args}  # made absolute by the check (from the cwd)
     if script_args:
         raise ValidationError(f"arguments after -- ({' '.join(script_args)}) but no script to give them to",
                               hint="write SCRIPT.py or -m MODULE before --")

@@ -89,7 +89,8 @@ def check_script(script: ScriptConfig, base_dir: Path | str) -> CheckedScript:
             source = Path(base_dir) / source
         source = Path(_abspath(source))
         if not source.exists():
-            raise ValidationError(f"script {script.path!r} does not exist (looked for {source})",
+            looked = "" if str(source) == script.path else f" (looked for {source})"
+            raise ValidationError(f"script {script.path!r} does not exist{looked}",
                                   hint="check the path (relative paths start at the working directory, or at "
                                        "the spec file's directory for a [script] table)")
         if source.is_dir():
