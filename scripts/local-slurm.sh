@@ -14,35 +14,57 @@
 #   restart  stop, then start.
 #
 # Environment:
-#   CK_SLURM_ROOT      all state, spool, logs, pid files (default /var/tmp/cyclone-slurm)
+#   CK_SLURM_ROOT      all state, spool, logs, pid files, the munge key and socket
+#                      (default /var/tmp/cyclone-slurm; created from nothing when empty)
+#   CK_SLURM_CONF_DIR  where slurm.conf and gres.conf are written (default /etc/slurm). Anything
+#                      else needs SLURM_CONF=$CK_SLURM_CONF_DIR/slurm.conf for sinfo/sbatch/...
+#   CK_SLURM_PORT_OFFSET  added to every port (default 0): a second cluster beside the first one
 #   CK_SLURM_TIMEOUT   seconds to wait for the nodes to become idle (default 60)
 #   CK_SLURM_NO_UNSHARE=1  do not give each slurmd its own UTS namespace (task hostnames are then
 #                      this host's name; used automatically where `unshare --uts` is refused)
 #
-# Must run as root (it writes /etc/slurm and /etc/hosts and starts root daemons). Facts behind each
-# setting: shared/LOCAL-SLURM.md.
-set -euo pipefail
+# Must run as root (it writes /etc/slurm and /etc/hosts and starts root daemons). The cluster owns
+# its munge daemon, key and socket (under CK_SLURM_ROOT), so nothing outside the root and the
+# config directory is read or needed. Facts behind each setting: shared/LOCAL-SLURM.md.
+#
+# Every failure says what failed: `die` for the expected ones, an ERR trap (command, line, exit
+# code and a hint) for the rest. Nothing exits silently.
+set -Eeuo pipefail
 
 ROOT=${CK_SLURM_ROOT:-/var/tmp/cyclone-slurm}
 TIMEOUT=${CK_SLURM_TIMEOUT:-60}
-CONF_DIR=/etc/slurm
+CONF_DIR=${CK_SLURM_CONF_DIR:-/etc/slurm}
 CONF=$CONF_DIR/slurm.conf
+export SLURM_CONF=$CONF # this script's own sinfo/scontrol/sacctmgr talk to this cluster
+PORT_OFFSET=${CK_SLURM_PORT_OFFSET:-0}
 CLUSTER=cyclone-local
 NODES=(c1 c2 g1 g2)
-HOSTS_BEGIN="# BEGIN cyclone-slurm (scripts/local-slurm.sh)"
-HOSTS_END="# END cyclone-slurm"
-CTLD_PORT=16817
-DBD_PORT=16819
+HOSTS_BEGIN="# BEGIN cyclone-slurm $CONF_DIR (scripts/local-slurm.sh)"
+HOSTS_END="# END cyclone-slurm $CONF_DIR"
+MUNGE_DIR=$ROOT/munge
+MUNGE_SOCK=$MUNGE_DIR/munge.socket
 BASE_PKGS=(slurmctld slurmd slurm-client slurm-wlm-basic-plugins munge tini)
 ACCT_PKGS=(slurmdbd mariadb-server)
 
 die() { echo "local-slurm: $*" >&2; exit 1; }
 log() { echo "local-slurm: $*"; }
 
+# on_err RC LINE COMMAND: the ERR trap. Names what failed instead of exiting silently.
+on_err() {
+  trap - ERR
+  echo "local-slurm: error: line $2: \`$3\` exited with status $1 HINT: the daemons' logs are in $ROOT/log; rerun with \`bash -x $0 ${ARGS[*]:-}\` to trace" >&2
+  exit "$1"
+}
+ARGS=("$@")
+trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR
+
+[[ $PORT_OFFSET =~ ^[0-9]+$ ]] || die "CK_SLURM_PORT_OFFSET=$PORT_OFFSET is not a whole number HINT: unset it or use e.g. 100"
+CTLD_PORT=$((16817 + PORT_OFFSET))
+DBD_PORT=$((16819 + PORT_OFFSET))
 node_port() {  # c1 -> 17001 ... g2 -> 17004
   local i
   for i in "${!NODES[@]}"; do
-    [[ ${NODES[$i]} == "$1" ]] && { echo $((17001 + i)); return; }
+    [[ ${NODES[$i]} == "$1" ]] && { echo $((17001 + PORT_OFFSET + i)); return; }
   done
   die "unknown node $1"
 }
@@ -127,7 +149,7 @@ CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=30
+AuthInfo=cred_expire=30,socket=$MUNGE_SOCK
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/pgid
@@ -188,6 +210,7 @@ AuthType=auth/munge
 DbdHost=localhost
 DbdAddr=127.0.0.1
 DbdPort=$DBD_PORT
+AuthInfo=socket=$MUNGE_SOCK
 SlurmUser=root
 PidFile=$ROOT/run/slurmdbd.pid
 LogFile=$ROOT/log/slurmdbd.log
@@ -241,25 +264,31 @@ make_fake_gpus() {
 
 # ---------------------------------------------------------------------------------------------
 # daemons
-munge_ok() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
+munge_ok() { munge -S "$MUNGE_SOCK" -n 2>/dev/null | unmunge -S "$MUNGE_SOCK" >/dev/null 2>&1; }
 
+# start_munge: this cluster's own munged (root, --force), key and socket under $MUNGE_DIR; the
+# key is made here when missing, so neither /etc/munge nor a running system munged is needed.
 start_munge() {
   munge_ok && return 0
-  [[ -s /etc/munge/munge.key ]] || {
-    log "creating /etc/munge/munge.key"
-    install -d -o munge -g munge -m 0700 /etc/munge
-    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-    chown munge:munge /etc/munge/munge.key
-    chmod 0400 /etc/munge/munge.key
-  }
-  install -d -o munge -g munge -m 0755 /run/munge
-  install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge 2>/dev/null || true
-  runuser -u munge -- /usr/sbin/munged --force >>"$ROOT/log/munged.out" 2>&1 ||
-    die "munged failed to start: $(tail -n 3 "$ROOT/log/munged.out" | tr '\n' ' ')"
-  touch "$ROOT/run/munged.ours"
+  install -d -m 0700 "$MUNGE_DIR"
+  if [[ ! -s $MUNGE_DIR/munge.key ]]; then
+    log "creating $MUNGE_DIR/munge.key"
+    dd if=/dev/urandom of="$MUNGE_DIR/munge.key" bs=1024 count=1 status=none
+    chmod 0400 "$MUNGE_DIR/munge.key"
+  fi
+  stop_pid "$ROOT/run/munged.pid" munged 2
+  rm -f "$MUNGE_SOCK" "$MUNGE_SOCK.lock"
+  detach "$ROOT/log/munged.out" /usr/sbin/munged -F --force --socket="$MUNGE_SOCK" \
+    --key-file="$MUNGE_DIR/munge.key" --pid-file="$MUNGE_DIR/munged.pid" \
+    --log-file="$ROOT/log/munged.log" --seed-file="$MUNGE_DIR/munged.seed" >"$ROOT/run/munged.pid"
   local i
-  for i in $(seq 50); do munge_ok && return 0; sleep 0.1; done
-  die "munged started but munge -n | unmunge fails"
+  for i in $(seq 100); do
+    munge_ok && return 0
+    pid_alive "$ROOT/run/munged.pid" munged || break
+    sleep 0.1
+  done
+  tail -n 5 "$ROOT/log/munged.out" "$ROOT/log/munged.log" >&2 2>/dev/null || true
+  die "munged did not answer on $MUNGE_SOCK (log: $ROOT/log/munged.log)"
 }
 
 # detach LOGFILE CMD...: run CMD in its own session, immune to the caller's exit; echoes its pid.
@@ -342,14 +371,14 @@ fail_stale_jobs() {
   (($#)) || return 0
   local list ids
   list=$(IFS=,; echo "$*")
-  ids=$(squeue -h -t R,CG,S -w "$list" -o %i 2>/dev/null | sort -u | tr '\n' ' ')
+  ids=$({ squeue -h -t R,CG,S -w "$list" -o %i 2>/dev/null || true; } | sort -u | tr '\n' ' ')
   [[ -n ${ids// /} ]] || return 0
   log "cancelling jobs left running from before the restart: $ids"
   # shellcheck disable=SC2086
   scancel $ids >/dev/null 2>&1 || true
 }
 
-node_states() { sinfo -h -N -o '%N %t' 2>/dev/null | sort -u; }
+node_states() { { sinfo -h -N -o '%N %t' 2>/dev/null || true; } | sort -u; }
 
 # ready_nodes: how many nodes answer and take jobs: idle, or busy with jobs already (mix, alloc,
 # comp) when start is called on a running cluster. A "*" suffix means not responding.
@@ -390,7 +419,7 @@ wait_idle() {
 # slurmstepd calls setsid(), so sessions do not track jobs; the tini subreaper's tree does.
 # Reads /proc directly (procps may be missing on a minimal host); "pid (comm) state ppid ...".
 descendants() {
-  cat /proc/[0-9]*/stat 2>/dev/null | awk -v root="$1" '
+  { cat /proc/[0-9]*/stat 2>/dev/null || true; } | awk -v root="$1" '
     { rest = $0; sub(/^.*\) /, "", rest); split(rest, f, " "); kids[f[2]] = kids[f[2]] " " $1 }
     END { n = split(kids[root], q, " "); for (i = 1; i <= n; i++) { print q[i]; m = split(kids[q[i]], more, " "); for (j = 1; j <= m; j++) q[++n] = more[j] } }'
 }
@@ -488,7 +517,10 @@ stop_slurm_daemons() {
 }
 
 # conf_root: the state root of the cluster /etc/slurm/slurm.conf describes (maybe another CK_SLURM_ROOT).
-conf_root() { sed -n 's|^StateSaveLocation=\(.*\)/state$|\1|p' "$CONF" 2>/dev/null | head -n1; }
+conf_root() {
+  [[ -f $CONF ]] || return 0
+  sed -n 's|^StateSaveLocation=\(.*\)/state$|\1|p' "$CONF" | head -n1
+}
 
 # stop_other_root: a cluster started with another CK_SLURM_ROOT holds the ports; stop it first.
 stop_other_root() {
@@ -505,11 +537,10 @@ stop_all() {
   local pids
   pids=$(slurm_pids)
   if pid_alive "$ROOT/run/slurmdbd.pid" slurmdbd; then pids+=" $(pid_of "$ROOT/run/slurmdbd.pid")"; fi
-  # only a munged this script started
-  if [[ -f $ROOT/run/munged.ours ]] && pid_alive /run/munge/munged.pid munged; then pids+=" $(pid_of /run/munge/munged.pid)"; fi
+  if pid_alive "$ROOT/run/munged.pid" munged; then pids+=" $(pid_of "$ROOT/run/munged.pid")"; fi
   # shellcheck disable=SC2046,SC2086 # word splitting of the pid list is intended
   terminate $(printf '%s\n' $pids | sort -un)
-  rm -f "$ROOT"/run/{slurmctld,slurmdbd}.pid "$ROOT"/run/slurmd-*.pid "$ROOT"/run/tini-*.pid "$ROOT/run/munged.ours" "$ROOT/run/accounting"
+  rm -f "$ROOT"/run/{slurmctld,slurmdbd}.pid "$ROOT"/run/slurmd-*.pid "$ROOT"/run/tini-*.pid "$ROOT/run/munged.pid" "$ROOT/run/accounting"
   stop_pid /run/mysqld/mysqld.pid mariadbd
 }
 
