@@ -52,25 +52,26 @@ def main() -> None:
     images = torch.randn(args.batch_size, 3, 32, 32, generator=generator).to(device)
     labels = torch.randint(0, 10, (args.batch_size,), generator=generator).to(device)
 
-    timed_from = None
+    loop_start = time.time()
+    timed_from, timed_steps = loop_start, 0
     for step in range(1, args.steps + 1):
         loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step == 1 and rank == 0:
-            print(f"plain_ddp: first step done at {time.time():.6f}", flush=True)
         if step == min(args.warmup, args.steps - 1) or args.steps == 1:
             if cuda:
                 torch.cuda.synchronize()
-            timed_from, timed_steps = time.perf_counter(), args.steps - step
+            timed_from, timed_steps = time.time(), args.steps - step
     if cuda:
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - timed_from if timed_from is not None else float("nan")
-    rate = timed_steps * args.batch_size * world / elapsed if timed_steps else float("nan")
+    timed_to = time.time()
+    samples = timed_steps * args.batch_size * world
+    rate = samples / (timed_to - timed_from) if timed_steps else float("nan")
     if rank == 0:
-        print(f"plain_ddp: {args.steps} steps, world size {world}, loss {loss.item():.4f}, "
-              f"{rate:.1f} samples/s", flush=True)
+        print(f"plain_ddp: {args.steps} steps, world size {world}, loss {loss.item():.4f}, {rate:.1f} samples/s "
+              f"(loop started {loop_start:.6f}, timed {timed_from:.6f} to {timed_to:.6f} unix, {samples} samples)",
+              flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
