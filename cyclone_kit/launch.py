@@ -15,7 +15,9 @@ front of the script). On this rank it:
    ``HOROVOD_CONTROLLER=gloo``), so a script's ``hvd.init()`` finds its peers;
 3. on rank 0, appends a ``start`` record to ``RUN_DIR/shim.jsonl`` (script, its hash, world size,
    hosts, launcher) and, when the script ends, an ``end`` record (exit status, wall time);
-4. runs the script **in this process** (:func:`runpy.run_path` / :func:`runpy.run_module`, as
+4. keeps the job's time-limit warning signal (``checkpoint.signal``, USR2) from killing a script
+   that does not handle it (:func:`note_requeue_signal`);
+5. runs the script **in this process** (:func:`runpy.run_path` / :func:`runpy.run_module`, as
    ``python SCRIPT`` / ``python -m MODULE`` would, with ``sys.argv = [SCRIPT, *ARGS]``).
 
 Why in-process rather than a child process or ``exec``: the script *is* the rank process, so
@@ -279,6 +281,31 @@ def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str]) -> 
     return env
 
 
+def note_requeue_signal(spec: Any) -> int | None:
+    """Keep the job's early-warning signal from killing a script that does not handle it.
+
+    The sbatch header asks Slurm for ``checkpoint.signal`` (USR2 by default) some minutes before the
+    time limit, for scripts that checkpoint on it (``ck.stop_requested()`` installs its own handler,
+    as do Lightning and others, replacing this one). A script that ignores it would otherwise die
+    of it, minutes of work early: this handler prints one line and lets it run on. TERM, INT and
+    HUP keep their meaning (stop). Returns the signal number handled, or None.
+    """
+    import signal
+
+    name = getattr(getattr(spec, "checkpoint", None), "signal", "USR2")
+    if name not in ("USR1", "USR2", "URG"):
+        return None
+    signum = int(getattr(signal, f"SIG{name}"))
+
+    def note(received: int, frame: object) -> None:
+        _say(f"SIG{name} received (the job's time-limit warning); this script does not handle it, so it "
+             "runs on until Slurm stops it (ck.stop_requested() would checkpoint and requeue)")
+
+    if signal.getsignal(signum) in (signal.SIG_DFL, None):
+        signal.signal(signum, note)
+    return signum
+
+
 def run_script(shim: ShimArgs) -> None:
     """Run the script or module as ``__main__`` in this process (raises what it raises)."""
     import runpy
@@ -344,6 +371,8 @@ def _run(shim: ShimArgs) -> int:
     if main_rank:
         _check_hash(shim, spec)
         _append(run_dir / SHIM_FILE, [start])
+    if spec is not None:
+        note_requeue_signal(spec)
     code, error = 0, None
     try:
         run_script(shim)

@@ -193,3 +193,18 @@ def test_strong_sweep_of_a_script_reports_time_to_solution(tmp_path: Path) -> No
         assert args == ["--steps", "4", "--batch-size", str(128 // point["world_size"])]
     speedup = float(rows[1]["speedup"])
     assert speedup == pytest.approx(walls[1] / walls[2], rel=1e-3)  # T(N0) / T(N) of the whole script
+
+
+def test_the_time_limit_warning_signal_does_not_kill_a_script_that_ignores_it(tmp_path: Path) -> None:
+    script = tmp_path / "ignores.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        os.kill(os.getpid(), signal.SIGUSR2)   # what Slurm's --signal=USR2@LEAD delivers
+        print("still running after SIGUSR2")
+    """))
+    proc = run_cli("run", str(script), "--nproc", "1", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    assert "still running after SIGUSR2" in (run_dir / "logs" / "rank-0.out").read_text()
+    assert "SIGUSR2 received" in (run_dir / "logs" / "rank-0.err").read_text()
