@@ -272,6 +272,8 @@ def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str]) -> 
             s.bind(("127.0.0.1", 0))
             variables["MASTER_PORT"] = str(s.getsockname()[1])
     environ.update(variables)
+    # who really started the ranks (detection inside the script now says torchrun): for ck's records
+    environ.setdefault("CYCLONE_LAUNCHER", env.launcher)
     if shim.horovod:
         from cyclone_kit.runtime import hvd
 
