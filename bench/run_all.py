@@ -68,7 +68,7 @@ def commands(is_quick: bool) -> dict[str, list[str]]:
         cli = [py, str(BENCH / "cli_latency.py")]
         analysis = [py, str(BENCH / "analysis.py")]
     return {"cli_latency": cli, "analysis": analysis, "overhead": [py, str(BENCH / "overhead.py")],
-            "scaling_cpu": [py, str(BENCH / "scaling_cpu.py")]}
+            "scaling_cpu": [py, str(BENCH / "scaling_cpu.py")], "script_shim": [py, str(BENCH / "script_shim.py")]}
 
 
 def run_bench(name: str, argv: list[str], timeout: float) -> tuple[int, str, float]:
@@ -156,6 +156,16 @@ def parse(name: str, output: str) -> list[Figure]:
                                    "vs the plain script started with python",
                                    f"{j['start_ours_1rank_s']:.2f} s vs {j['start_python_s']:.2f} s",
                                    "(information)", "INFO"))
+    elif name == "script_shim":
+        j = _json(output)
+        if j:
+            figs.append(Figure(name, f"examples/plain_ddp.py throughput, cyclone-kit run / torchrun, 2 ranks ({j['workload']}; "
+                               f"per pair: {', '.join(f'{r:.3f}' for r in j['ratios'])})",
+                               f"{j['ratio']:.3f}", ">= 0.99", _v(j["ratio_met"])))
+            figs.append(Figure(name, "examples/plain_ddp.py process start to first step, cyclone-kit run",
+                               f"{j['start_ours_s']:.2f} s",
+                               f"<= torchrun's + {j['start_slack_s']} s ({j['start_torchrun_s']:.2f} s)",
+                               _v(j["start_met"])))
     return figs
 
 
