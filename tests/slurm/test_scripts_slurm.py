@@ -16,7 +16,7 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.slurm.states import JobState
 from tests.conftest import REPO, run_cli
-from tests.slurm.test_faults import cancel_quietly, parse_submit_output
+from tests.slurm.test_faults import cancel_quietly, job_processes, parse_submit_output
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -114,3 +114,34 @@ def test_strong_sweep_of_a_script_on_slurm_ends_in_scaling_csv(slurm_cluster: di
     print(f"script sweep on Slurm: {[(r['world_size'], r['per_device_batch_size'], r['speedup']) for r in rows]}")
     assert [(r["world_size"], r["per_device_batch_size"], r["global_batch_size"], r["strategy"]) for r in rows] == [
         ("1", "128", "128", "time-to-solution"), ("2", "64", "128", "time-to-solution")]
+
+
+def test_a_script_failing_on_one_rank_fails_the_job_with_the_root_cause_and_no_rank_left(
+        slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(textwrap.dedent("""
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="env://")
+        if dist.get_rank() == 2:
+            raise ValueError("boom on rank two")
+        dist.barrier()   # the other ranks wait for a peer that never comes
+        print("must not happen")
+    """))
+    result = run_cli("submit", str(script), "--profile", "local", "--time", "00:05:00", "--nodes", "2",
+                     "--ntasks-per-node", "2", "--runs-dir", str(tmp_path / "runs"), timeout=60)
+    assert result.returncode == 0, result.stderr
+    job_id, run_dir = parse_submit_output(result.stdout)
+    backend = SlurmBackend(timeout=30)
+    try:
+        info = backend.wait(job_id, timeout=WAIT_S)
+    finally:
+        cancel_quietly(backend, job_id)
+    assert info.state is not JobState.COMPLETED
+    status = run_cli("status", str(run_dir), timeout=60)
+    print(f"failing script on Slurm: job {job_id} {info.state}; status:\n{status.stdout}{status.stderr}")
+    assert "rank 2 on c2" in status.stdout + status.stderr and "ValueError: boom on rank two" in status.stdout + status.stderr
+    record = json.loads((run_dir / "ranks" / "error-rank-00002.json").read_text())
+    assert record["type"] == "ValueError" and "fails.py" in record["traceback"]
+    logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*"))
+    assert "must not happen" not in logs
+    assert job_processes(job_id) == {}
