@@ -191,6 +191,7 @@ def test_strong_sweep_of_a_script_reports_time_to_solution(tmp_path: Path) -> No
         walls[point["world_size"]] = end["wall_time_s"]
         args = json.loads((study / point["run_dir"] / "spec.json").read_text())["script"]["args"]
         assert args == ["--steps", "4", "--batch-size", str(128 // point["world_size"])]
+    assert "Time to solution: the script logged no steps" in (study / "report" / "report.md").read_text()
     speedup = float(rows[1]["speedup"])
     assert speedup == pytest.approx(walls[1] / walls[2], rel=1e-3)  # T(N0) / T(N) of the whole script
 
