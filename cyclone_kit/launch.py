@@ -148,6 +148,14 @@ def shim_command(script: Any, run_dir: Path | str, *, python: str | None = None,
     return argv + list(script.args)
 
 
+def rank_command(spec: Any, run_dir: Path | str, *, python: str | None = None) -> list[str] | None:
+    """What each local rank of ``spec`` runs: the shim for a script job, None (the built-in trainer) else (pure)."""
+    script = getattr(spec, "script", None)
+    if script is None:
+        return None
+    return shim_command(script, run_dir, python=python, horovod=spec.resources.launcher == "horovod")
+
+
 def exit_status(code: object) -> int:
     """The process exit status ``sys.exit(code)`` gives (None: 0; an int; anything else: 1; pure)."""
     if code is None:

@@ -646,13 +646,10 @@ class LocalBackend:
         nproc, nodes = job.world_size, job.nodes
         threads = threads_per_rank(nproc, available_cores())
         _set_spec_threads(run_dir / "spec.json", threads)
-        command = None
-        if getattr(job.spec, "script", None) is not None:  # a user's script runs through the launch shim
-            from cyclone_kit.launch import shim_command
+        from cyclone_kit.launch import rank_command  # a user's script runs through the launch shim
 
-            command = shim_command(job.spec.script, run_dir, horovod=job.spec.resources.launcher == "horovod")
         result = launch(run_dir, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=command)
+                        grace_s=self.grace_s, command=rank_command(job.spec, run_dir))
         write_atomic(run_dir / "job_id", result.job_id + "\n")
         write_atomic(run_dir / "backend", "local\n")
         if not result.ok:

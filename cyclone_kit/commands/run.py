@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from cyclone_kit.config import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.errors import ValidationError
     from cyclone_kit.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
-    from cyclone_kit.launch import shim_command
+    from cyclone_kit.launch import rank_command
     from cyclone_kit.rundir import create_run_dir, write_atomic
 
     for flag in ("nproc", "nodes", "threads"):
@@ -78,11 +78,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"run dir: {run_dir}")
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {run_dir / 'logs'}", flush=True)
-    command = None
-    if job.spec.script is not None:
-        command = shim_command(job.spec.script, run_dir, horovod=job.spec.resources.launcher == "horovod")
     result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
-                    command=command,
+                    command=rank_command(job.spec, run_dir),
                     timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
                     extra_env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None)
     write_atomic(run_dir / "job_id", result.job_id + "\n")

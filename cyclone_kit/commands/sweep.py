@@ -162,7 +162,7 @@ def _write_submitted(study: Path, backend: str, entries: list[dict[str, Any]], r
 def _run_local(sweep: Any, runs: Any, study: Path, *, quiet: bool) -> int:
     """Run every point here, one after another, then the report; 1 when a point failed."""
     from cyclone_kit.backends.local import _set_spec_threads, available_cores, format_failure, launch
-    from cyclone_kit.launch import shim_command
+    from cyclone_kit.launch import rank_command
     from cyclone_kit.rundir import write_atomic
 
     entries: list[dict[str, Any]] = []
@@ -174,12 +174,8 @@ def _run_local(sweep: Any, runs: Any, study: Path, *, quiet: bool) -> int:
             threads = max(1, min(r.job.cpus_per_task, cores // r.world_size))
             _set_spec_threads(run_dir / "spec.json", threads)
             print(f"== {r.name}: {r.world_size} rank(s), {threads} thread(s) each", flush=True)
-            command = None
-            if r.job.spec.script is not None:
-                command = shim_command(r.job.spec.script, run_dir,
-                                       horovod=r.job.spec.resources.launcher == "horovod")
             result = launch(run_dir, r.world_size, r.job.nodes, threads=threads, job_name=r.job.spec.name,
-                            command=command, echo=None if quiet else sys.stdout)
+                            command=rank_command(r.job.spec, run_dir), echo=None if quiet else sys.stdout)
             write_atomic(run_dir / "job_id", result.job_id + "\n")
             write_atomic(run_dir / "backend", "local\n")
             entries.append({"name": r.name, "run_dir": r.name, "job_id": result.job_id,
