@@ -26,6 +26,7 @@ from cyclone_kit.launch import (
     end_record,
     exit_status,
     parse_args,
+    rank_command,
     shim_command,
     start_record,
     time_to_solution_records,
@@ -167,6 +168,13 @@ def test_shim_command() -> None:
         "py", "-m", "cyclone_kit.launch", "--run-dir", "/r", "/a/t.py", "x"]
     assert shim_command(ScriptConfig(module="m.n"), "/r", python="py", horovod=True) == [
         "py", "-m", "cyclone_kit.launch", "--run-dir", "/r", "--horovod", "-m", "m.n"]
+
+
+def test_rank_command_is_the_shim_for_scripts_only() -> None:
+    assert rank_command(spec_from_dict({}), "/r") is None
+    spec = spec_from_dict({"script": {"module": "m"}, "resources": {"launcher": "horovod"}})
+    assert rank_command(spec, "/r", python="py") == ["py", "-m", "cyclone_kit.launch", "--run-dir", "/r", "--horovod",
+                                                     "-m", "m"]
 
 
 @pytest.mark.parametrize(("code", "status"), [(None, 0), (0, 0), (3, 3), (True, 1), ("bye", 1), (256 + 4, 4), (-1, 255)])
