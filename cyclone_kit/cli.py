@@ -60,6 +60,26 @@ def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str] | None]
     return argv[:at], argv[at + 1:]
 
 
+def empty_option(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The first option (or positional) given an empty or blank string, e.g. ``--partition "$UNSET"``.
+
+    argparse takes ``""`` as a value, and the layers below read ``""`` as "not given": the job would
+    silently run on a default. Pass-through argument lists (a user script's own ARGS) may be empty.
+    """
+    actions = list(parser._actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, "command", None) in action.choices:
+            actions += action.choices[args.command]._actions
+    for action in actions:
+        if not action.option_strings and action.nargs in ("*", argparse.REMAINDER):
+            continue
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and not v.strip() for v in values):
+            return action.option_strings[-1] if action.option_strings else (action.metavar or action.dest)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (2 for every CycloneError)."""
     parser = build_parser()
@@ -77,6 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    empty = empty_option(parser, args)
+    if empty:
+        sys.stderr.write(f"error: {empty} is empty (an unset shell variable?) "
+                         f"HINT: give {empty} a value, or leave it out for the default\n")
+        return 2
     try:
         return int(args.func(args) or 0)
     except CycloneError as e:

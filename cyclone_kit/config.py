@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -82,6 +83,11 @@ class ClusterProfile:
     ``setup`` lines are raw shell (e.g. ``source ~/venv/bin/activate``): they come from the
     user's own profile file and are trusted like a shell rc file. ``modules`` and ``env``
     values are data and are always shell-quoted when rendered.
+
+    ``gpu_bind``, ``cpu_bind`` and ``distribution`` (empty: Slurm's defaults) are passed to
+    every ``srun`` of the job as ``--gpu-bind``, ``--cpu-bind`` and ``--distribution``. The
+    runtime needs each task to see one GPU, or all of the node's GPUs (it refuses e.g. 2 visible
+    GPUs for 4 ranks, what ``--gpu-bind=closest`` gives with 2 tasks per socket).
     """
 
     name: str
@@ -96,6 +102,15 @@ class ClusterProfile:
     python: str = ""
     gpu_request: str = "gres"
     cpus_per_gpu: int = 0
+    gpu_bind: str = ""
+    cpu_bind: str = ""
+    distribution: str = ""
+
+    @property
+    def srun_binding(self) -> tuple[str, ...]:
+        """The binding options of every srun line (``--cpu-bind=cores`` & co.), empty ones left out."""
+        pairs = (("--cpu-bind", self.cpu_bind), ("--distribution", self.distribution), ("--gpu-bind", self.gpu_bind))
+        return tuple(f"{flag}={value}" for flag, value in pairs if value)
 
     def __post_init__(self) -> None:
         if not self.partitions:
@@ -118,6 +133,14 @@ class ClusterProfile:
                     hint="use letters, digits and '_' only, not starting with a digit",
                 )
         _check_directives(f"profile {self.name!r}: extra_sbatch", self.extra_sbatch)
+        for key in ("gpu_bind", "cpu_bind", "distribution"):
+            value = getattr(self, key)
+            if value and not re.fullmatch(r"[A-Za-z0-9_.,:*+-]+", value):
+                raise ValidationError(
+                    f"profile {self.name!r}: {key} {value!r} is not a Slurm binding value",
+                    hint=f"use a value srun accepts for --{key.replace('_', '-')}, e.g. "
+                         + {"gpu_bind": "none or single:1", "cpu_bind": "cores", "distribution": "block:block"}[key],
+                )
 
     @property
     def default_partition(self) -> Partition:
@@ -223,7 +246,7 @@ class TrainConfig:
     bucket_cap_mb: int = 25
     static_graph: bool = True  # DDP's static graph where valid (runtime/train.py use_static_graph)
     num_workers: int = -1
-    pg_timeout_s: int = 120
+    pg_timeout_s: int = 600  # PyTorch's NCCL default: rank 0 may write or load a large checkpoint meanwhile
     microbatches: int = 4
     fp16_allreduce: bool = False
 
@@ -277,7 +300,8 @@ class Resources:
         parse_time(self.time)
         _choice("resources.launcher", self.launcher, LAUNCHERS)
         _safe_token("resources.account", self.account)
-        _safe_token("resources.mem", self.mem)
+        if self.mem:
+            parse_mem_mb(self.mem)
         _check_directives("resources.extra_sbatch", self.extra_sbatch)
 
 
@@ -505,12 +529,48 @@ def set_fields(data: dict[str, Any], pairs: typing.Iterable[tuple[str, Any]]) ->
     return out
 
 
+def reject_empty_strings(data: Any, source: str, where: str = "") -> None:
+    """Refuse an empty (or blank) string anywhere in a user's spec file: leave a key out instead.
+
+    An empty value is what an unset shell variable or a half-edited file gives; taking it as "not
+    given" would silently submit something else than asked (e.g. the default partition).
+    """
+    if isinstance(data, dict):
+        for key, value in data.items():
+            reject_empty_strings(value, source, f"{where}.{key}" if where else str(key))
+    elif isinstance(data, list | tuple):
+        for value in data:
+            reject_empty_strings(value, source, where)
+    elif isinstance(data, str) and not data.strip():
+        raise ValidationError(
+            f"{where} is empty in {source}",
+            hint=f"remove the {where.rsplit('.', 1)[-1]} line to use the default, or give it a value",
+        )
+
+
+def parse_mem_mb(text: str) -> int:
+    """Slurm's ``--mem`` value (a count with an optional K, M, G or T suffix; M by default) in MiB."""
+    match = re.fullmatch(r"(\d+)([KMGT]?)B?", text.strip().upper())
+    if not match or int(match.group(1)) == 0:
+        raise ValidationError(
+            f"resources.mem {text!r} is not a memory size Slurm accepts",
+            hint="write it as a positive count with a unit, e.g. '32G' or '16000M'",
+        )
+    factor = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[match.group(2)]
+    return max(1, int(int(match.group(1)) * factor))
+
+
 def parse_assignment(item: str) -> tuple[str, Any]:
     """Split ``key=value`` and parse the value as a TOML literal (else keep the string)."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ValidationError(f"--set {item!r} is not key=value", hint="write --set train.lr=0.2")
+    if not raw.strip() or raw.strip() in ('""', "''"):
+        raise ValidationError(
+            f"--set {key}= has an empty value (an unset shell variable?)",
+            hint=f"give {key} a value, or leave the --set out to keep the spec's",
+        )
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

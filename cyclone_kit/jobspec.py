@@ -13,6 +13,7 @@ from cyclone_kit.config import (
     apply_overrides,
     load_profile,
     read_toml,
+    reject_empty_strings,
     set_fields,
     spec_from_dict,
     spec_to_dict,
@@ -101,6 +102,10 @@ def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
     else:
         spec_path = Path(args.spec) if args.spec else DEFAULT_SPEC
         data = read_toml(spec_path)
+        # a script's own argument list may hold an empty string; every other empty value is refused
+        script_table = data.get("script") if isinstance(data.get("script"), dict) else None
+        reject_empty_strings({**data, "script": {k: v for k, v in script_table.items() if k != "args"}}
+                             if script_table is not None else data, args.spec or str(DEFAULT_SPEC))
         if isinstance(data.get("script"), dict):
             data = {**data, "script": _script_paths_from(data["script"], spec_path.parent)}
     flags = [(key, getattr(args, dest)) for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None]

@@ -121,6 +121,10 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "mem": spec.resources.mem,
         "exclusive": spec.resources.exclusive,
         "signal": f"{ck.signal}@{ck.signal_lead_s}" if want_signal else "",
+        # torchrun's agent handles only these by default; the requeue signal would kill it
+        "signals_to_handle": ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", f"SIG{ck.signal}"])),
+        "shutdown_timeout": ck.signal_lead_s,
+        "srun_bind": list(prof.srun_binding),
         "requeue": ck.requeue,
         "extra_sbatch": [*prof.extra_sbatch, *spec.resources.extra_sbatch],
         "modules": list(prof.modules),

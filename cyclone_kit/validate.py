@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cyclone_kit.config import ClusterProfile, JobSpec, Partition
+from cyclone_kit.config import ClusterProfile, JobSpec, Partition, parse_mem_mb
 from cyclone_kit.errors import ValidationError
 from cyclone_kit.walltime import format_time, parse_time
 
@@ -68,6 +68,13 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
             else "use --partition with GPUs (e.g. gpu) or --gpus-per-node=0",
         )
 
+    if part.gpus_per_node and gpus == 0:
+        raise ValidationError(
+            f"--gpus-per-node=0 on {where}, whose nodes have {part.gpus_per_node} GPUs: "
+            "that would be a CPU job holding GPU nodes",
+            hint=f"use --gpus-per-node between 1 and {part.gpus_per_node}, or a CPU partition",
+        )
+
     launcher = res.launcher
     if launcher == "torchrun":
         tasks = 1
@@ -112,6 +119,12 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
         raise ValidationError(
             f"--time={res.time} is above the {part.max_time} limit of {where}",
             hint=f"use --time={part.max_time} or less; cyclone_kit checkpoints and requeues long runs",
+        )
+
+    if res.mem and part.memory_gb and parse_mem_mb(res.mem) > part.memory_gb * 1024:
+        raise ValidationError(
+            f"resources.mem={res.mem} is more than the {part.memory_gb} GB of a node of {where}",
+            hint=f"use resources.mem={part.memory_gb}G or less, or leave it out",
         )
 
     account = res.account or profile.account

@@ -19,7 +19,7 @@
 #   CK_SLURM_CONF_DIR  where slurm.conf and gres.conf are written (default /etc/slurm). Anything
 #                      else needs SLURM_CONF=$CK_SLURM_CONF_DIR/slurm.conf for sinfo/sbatch/...
 #   CK_SLURM_PORT_OFFSET  added to every port (default 0): a second cluster beside the first one
-#   CK_SLURM_TIMEOUT   seconds to wait for the nodes to become idle (default 60)
+#   CK_SLURM_TIMEOUT   seconds to wait for each daemon to answer and the nodes to become idle (default 120)
 #   CK_SLURM_NO_UNSHARE=1  do not give each slurmd its own UTS namespace (task hostnames are then
 #                      this host's name; used automatically where `unshare --uts` is refused)
 #
@@ -32,7 +32,7 @@
 set -Eeuo pipefail
 
 ROOT=${CK_SLURM_ROOT:-/var/tmp/cyclone-slurm}
-TIMEOUT=${CK_SLURM_TIMEOUT:-60}
+TIMEOUT=${CK_SLURM_TIMEOUT:-120}
 CONF_DIR=${CK_SLURM_CONF_DIR:-/etc/slurm}
 CONF=$CONF_DIR/slurm.conf
 export SLURM_CONF=$CONF # this script's own sinfo/scontrol/sacctmgr talk to this cluster
@@ -42,7 +42,10 @@ NODES=(c1 c2 g1 g2)
 HOSTS_BEGIN="# BEGIN cyclone-slurm $CONF_DIR (scripts/local-slurm.sh)"
 HOSTS_END="# END cyclone-slurm $CONF_DIR"
 MUNGE_DIR=$ROOT/munge
-MUNGE_SOCK=$MUNGE_DIR/munge.socket
+# The cluster in /etc/slurm serves munge's default socket: sacctmgr's connection to slurmdbd
+# ignores AuthInfo=socket= (Slurm 22.05) and only finds the default one. Other clusters (a second
+# one beside it, without accounting) keep theirs private.
+if [[ $CONF_DIR == /etc/slurm ]]; then MUNGE_SOCK=/run/munge/munge.socket.2; else MUNGE_SOCK=$MUNGE_DIR/munge.socket; fi
 BASE_PKGS=(slurmctld slurmd slurm-client slurm-wlm-basic-plugins munge tini)
 ACCT_PKGS=(slurmdbd mariadb-server)
 
@@ -277,12 +280,13 @@ start_munge() {
     chmod 0400 "$MUNGE_DIR/munge.key"
   fi
   stop_pid "$ROOT/run/munged.pid" munged 2
+  install -d -m 0755 "$(dirname "$MUNGE_SOCK")"
   rm -f "$MUNGE_SOCK" "$MUNGE_SOCK.lock"
   detach "$ROOT/log/munged.out" /usr/sbin/munged -F --force --socket="$MUNGE_SOCK" \
     --key-file="$MUNGE_DIR/munge.key" --pid-file="$MUNGE_DIR/munged.pid" \
     --log-file="$ROOT/log/munged.log" --seed-file="$MUNGE_DIR/munged.seed" >"$ROOT/run/munged.pid"
-  local i
-  for i in $(seq 100); do
+  local deadline=$((SECONDS + TIMEOUT))
+  while ((SECONDS < deadline)); do
     munge_ok && return 0
     pid_alive "$ROOT/run/munged.pid" munged || break
     sleep 0.1
@@ -311,22 +315,24 @@ start_mariadb() {
     detach "$ROOT/log/mariadbd.log" /usr/sbin/mariadbd --user=mysql --datadir="$datadir" \
       --skip-networking --socket="$sock" --pid-file=/run/mysqld/mysqld.pid >/dev/null
   fi
-  for i in $(seq 300); do
+  local deadline=$((SECONDS + TIMEOUT))
+  while ((SECONDS < deadline)); do
     mariadb --socket="$sock" -e 'SELECT 1' >/dev/null 2>&1 && return 0
     sleep 0.1
   done
   tail -n 20 "$ROOT/log/mariadbd.log" >&2
-  die "MariaDB did not answer within 30 s"
+  die "MariaDB did not answer within ${TIMEOUT} s (CK_SLURM_TIMEOUT)"
 }
 
 start_slurmdbd() {
-  local i
+  local deadline=$((SECONDS + TIMEOUT))
   pid_alive "$ROOT/run/slurmdbd.pid" slurmdbd || detach "$ROOT/log/slurmdbd.out" /usr/sbin/slurmdbd -D >/dev/null
-  for i in $(seq 300); do
-    sacctmgr -n -P show cluster >/dev/null 2>&1 && break
-    sleep 0.1
+  while ((SECONDS < deadline)); do
+    timeout 10 sacctmgr -n -P show cluster >/dev/null 2>&1 && break
+    sleep 0.2
   done
-  sacctmgr -n -P show cluster >/dev/null 2>&1 || { tail -n 20 "$ROOT/log/slurmdbd.log" >&2; die "slurmdbd did not answer within 30 s"; }
+  timeout 10 sacctmgr -n -P show cluster >/dev/null 2>&1 ||
+    { tail -n 20 "$ROOT/log/slurmdbd.log" >&2; die "slurmdbd did not answer within ${TIMEOUT} s (CK_SLURM_TIMEOUT)"; }
   if ! sacctmgr -n -P show cluster format=cluster | grep -qx "$CLUSTER"; then
     sacctmgr -i add cluster "$CLUSTER" >/dev/null || true
   fi
@@ -334,10 +340,10 @@ start_slurmdbd() {
 
 start_slurmctld() {
   pid_alive "$ROOT/run/slurmctld.pid" slurmctld && return 0
-  local pid i
+  local pid deadline=$((SECONDS + TIMEOUT))
   pid=$(detach "$ROOT/log/slurmctld.out" /usr/sbin/slurmctld -D -f "$CONF")
   echo "$pid" >"$ROOT/run/slurmctld.pid" # slurmctld rewrites it with the same pid
-  for i in $(seq 100); do
+  while ((SECONDS < deadline)); do
     scontrol ping 2>/dev/null | grep -q 'is UP' && return 0
     [[ -d /proc/$pid ]] || break
     sleep 0.1
@@ -473,7 +479,7 @@ cmd_start() {
   render_slurm_conf "$acct" | write_if_changed "$CONF" 0644 && changed=1
   render_gres_conf | write_if_changed "$CONF_DIR/gres.conf" 0644 && changed=1
   if ((acct)); then render_slurmdbd_conf | write_if_changed "$CONF_DIR/slurmdbd.conf" 0600 && changed=1; fi
-  if ((changed)) && { pid_alive "$ROOT/run/slurmctld.pid" slurmctld || any_slurmd_alive; }; then
+  if ((changed)) && { pid_alive "$ROOT/run/slurmctld.pid" slurmctld || any_slurmd_alive || pid_alive "$ROOT/run/slurmdbd.pid" slurmdbd; }; then
     log "configuration changed; restarting the daemons"
     stop_slurm_daemons
   fi
@@ -512,6 +518,7 @@ stop_slurm_daemons() {
   local n
   # shellcheck disable=SC2046 # word splitting of the pid list is intended
   terminate $(slurm_pids | sort -un)
+  stop_pid "$ROOT/run/slurmdbd.pid" slurmdbd # it reads its configuration only when it starts
   rm -f "$ROOT/run/slurmctld.pid"
   for n in "${NODES[@]}"; do rm -f "$ROOT/run/slurmd-$n.pid" "$ROOT/run/tini-$n.pid"; done
 }

@@ -89,7 +89,7 @@ def slurm_parameters(job: Any, run_dir: Path | str) -> dict[str, Any]:
         "partition": job.partition.name,
         "signal_delay_s": ck.signal_lead_s,
         "setup": setup,
-        "srun_args": ["--cpus-per-task", str(job.cpus_per_task)],
+        "srun_args": [*prof.srun_binding, "--cpus-per-task", str(job.cpus_per_task)],
         "additional_parameters": extra,
         "stderr_to_stdout": False,
     }

@@ -7,7 +7,10 @@ iteration yielding ``(images, labels)`` already on the device):
   Fashion-MNIST): one uint8/float tensor, batches gathered with one indexing op, normalised
   and augmented on the device; no worker processes.
 * :class:`FolderLoader` for ImageFolder trees: a torch DataLoader with workers sized from
-  ``--cpus-per-task``, pinned memory and persistent workers on CUDA.
+  ``--cpus-per-task``, pinned memory and persistent workers on CUDA. Its workers ignore SIGTERM
+  and the requeue signals (:func:`ignore_stop_signals`): Slurm signals every process of the
+  step, torch's worker handler dies of a SIGTERM that does not come from its parent, and the
+  main process would then fail instead of checkpointing; the main process decides the stop.
 
 Both shard with :class:`ResumableSampler` (a DistributedSampler that can start mid-epoch), so
 a resumed run sees exactly the batches an uninterrupted run would have seen.
@@ -206,6 +209,21 @@ def random_crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) 
 
 
 # --------------------------------------------------------------------------- folder loader
+#: Signals a DataLoader worker ignores: SIGTERM and every requeue signal a spec may choose
+#: (config.SIGNALS but INT, which stays Ctrl-C's).
+WORKER_IGNORED_SIGNALS = ("TERM", "USR1", "USR2", "HUP", "URG")
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """``worker_init_fn`` of the folder loader: this worker ignores :data:`WORKER_IGNORED_SIGNALS`
+    (it runs after torch's own worker handlers are set, so it replaces its SIGTERM handler). The
+    worker still exits with its main process (torch's parent watchdog)."""
+    import signal
+
+    for name in WORKER_IGNORED_SIGNALS:
+        signal.signal(getattr(signal, f"SIG{name}"), signal.SIG_IGN)
+
+
 class FolderLoader:
     """A DataLoader over an ImageFolder with the same interface as :class:`InMemoryLoader`."""
 
@@ -219,6 +237,7 @@ class FolderLoader:
             dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=cuda,
             persistent_workers=workers > 0, drop_last=drop_last,
             prefetch_factor=4 if workers > 0 else None,
+            worker_init_fn=ignore_stop_signals if workers > 0 else None,
         )
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:

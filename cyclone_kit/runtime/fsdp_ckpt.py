@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import nn
 
+from cyclone_kit.runtime.dist import side_group
+
 #: The optimizer_format of a checkpoint whose model and optimizer live in a DCP directory.
 FORMAT = "dcp"
 
@@ -42,7 +44,7 @@ def save_sharded(folder: Path, step: int, model: nn.Module, optimizer: Any) -> d
         folder.mkdir(parents=True, exist_ok=True)
         if target.exists():  # left by a run killed between the shards and the .pt file
             shutil.rmtree(target)
-    dist.barrier()
+    dist.barrier(group=side_group())  # rank 0 may take long to remove a stale folder: wait on gloo
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=str(target))
     return {"model": {"dcp": name}, "optimizer": None, "optimizer_format": FORMAT}

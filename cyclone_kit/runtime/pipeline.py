@@ -5,9 +5,16 @@ Every rank builds the same model (same seed), cuts it into ``world_size`` consec
 data parallelism: every rank reads the same batches (the data is built for a world of one), the
 first stage feeds the images in, the last one computes the loss. Each optimizer step is
 ``grad_accum`` batches of ``train.batch_size``, each cut into ``train.microbatches``
-micro-batches. The schedule (:func:`pipeline_step`) is GPipe's: a stage sends each micro-batch's
-activations on as soon as it has them (``isend``), so stage k works on micro-batch m while
-stage k+1 works on m-1; then the gradients flow back, last micro-batch first on the last stage.
+micro-batches. The schedule (:func:`schedule`, pure; run by :func:`pipeline_step`) is GPipe's
+fill-drain: every stage runs the forwards of all micro-batches (sending each activation on as
+soon as it has it, so stage k works on micro-batch m while stage k+1 works on m-1), then the
+backwards in the same order. Between two neighbours the sends of one side and the receives of
+the other come in the same order (:func:`order_mismatches` checks it): NCCL runs the
+point-to-point operations of a pair of ranks in order on one stream, so a send that the peer
+receives only after a send of its own, larger than NCCL's buffer, waits forever.
+
+Precision: ``auto`` is bf16 on GPUs with native bf16 (sm_80+) and fp16 with a loss scale
+(:class:`LossScale`, agreed by all stages) on older ones (V100), fp32 on the CPU.
 
 The metrics contract is the engine's (start, step, epoch and end records on rank 0, a summary
 per rank). Checkpoints use the engine's format: ``model`` is the full, unsplit state dict
@@ -34,7 +41,7 @@ from cyclone_kit.errors import ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import auto_workers, build_data
-from cyclone_kit.runtime.dist import init_process_group, probe_device, setup_threads, warn, worker_cpus
+from cyclone_kit.runtime.dist import init_process_group, probe_device, setup_threads, side_group, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import TinyCNN, build_model
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue
@@ -164,43 +171,160 @@ def pipeline_forward(stage: Stage, x: torch.Tensor, microbatches: int, shape: Se
     return torch.cat(outs) if stage.is_last else None
 
 
+@dataclass(frozen=True)
+class Op:
+    """One operation of a stage's schedule: ``recv_act``, ``forward``, ``send_act``, ``recv_grad``,
+    ``backward`` or ``send_grad`` of micro-batch ``micro``; ``peer`` is the other stage of a
+    send or receive (None for compute)."""
+
+    kind: str
+    micro: int
+    peer: int | None = None
+
+
+def schedule(index: int, num_stages: int, microbatches: int) -> list[Op]:
+    """The operations of stage ``index`` for one batch, in order (pure): GPipe fill-drain, all
+    forwards then all backwards, both in micro-batch order (see the module doc)."""
+    first, last = index == 0, index == num_stages - 1
+    ops: list[Op] = []
+    for m in range(microbatches):
+        if not first:
+            ops.append(Op("recv_act", m, index - 1))
+        ops.append(Op("forward", m))
+        if not last:
+            ops.append(Op("send_act", m, index + 1))
+    for m in range(microbatches):
+        if not last:
+            ops.append(Op("recv_grad", m, index + 1))
+        ops.append(Op("backward", m))
+        if not first:
+            ops.append(Op("send_grad", m, index - 1))
+    return ops
+
+
+def order_mismatches(schedules: Sequence[Sequence[Op]]) -> list[str]:
+    """Where the communication of neighbouring stages does not match in order (pure; [] = none).
+
+    For each pair (k, k+1), stage k's sends to and receives from k+1, in its order, must be
+    stage k+1's receives from and sends to k, in the same order (each send met by the
+    receive the peer posts at that point), as NCCL needs for blocking point-to-point calls.
+    """
+    def channel(ops: Sequence[Op], peer: int) -> list[tuple[str, str, int]]:
+        out = []
+        for op in ops:
+            if op.peer == peer:
+                direction, what = op.kind.split("_")
+                out.append((direction, what, op.micro))
+        return out
+
+    flip = {"send": "recv", "recv": "send"}
+    problems = []
+    for k in range(len(schedules) - 1):
+        mine, raw = channel(schedules[k], k + 1), channel(schedules[k + 1], k)
+        theirs = [(flip[d], what, m) for d, what, m in raw]
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+            if a != b:
+                problems.append(f"stages {k}-{k + 1}, operation {i}: stage {k} posts {a}, stage {k + 1} posts {raw[i]}")
+                break
+        else:
+            if len(mine) != len(theirs):
+                problems.append(f"stages {k}-{k + 1}: {len(mine)} vs {len(theirs)} operations")
+    return problems
+
+
 def pipeline_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, microbatches: int, shape: Sequence[int],
-                  criterion: nn.Module, scale: float, autocast: Any) -> torch.Tensor:
-    """Forward and backward of one batch (GPipe); gradients accumulate in the stage's parameters.
+                  criterion: nn.Module, scale: float, autocast: Any, loss_scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward of one batch (:func:`schedule`); gradients accumulate in the stage's
+    parameters.
 
     The loss of each micro-batch is weighted by its share of the batch and by ``scale``
-    (1/grad_accum), so the gradients equal those of the whole batch. Returns the batch's loss
-    (times ``scale``) on the last stage, 0 on the others.
+    (1/grad_accum), so the gradients equal those of the whole batch; ``loss_scale`` (fp16)
+    multiplies the backward only. Returns the batch's loss (times ``scale``) on the last
+    stage, 0 on the others.
     """
     import torch.distributed as dist
 
     module, rank = stage.module, stage.index
+    xs, ys = _chunks(x, microbatches), _chunks(y, microbatches)
     sends: list[Any] = []
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    inputs: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    grads: dict[int, torch.Tensor] = {}
     loss_sum = torch.zeros((), device=x.device)
     n = x.shape[0]
-    for xm, ym in zip(_chunks(x, microbatches), _chunks(y, microbatches), strict=True):
-        inp = xm if stage.is_first else _recv((xm.shape[0], *shape), x.device, rank - 1).requires_grad_()
-        with autocast():
-            out = module(inp if stage.is_first else inp.clone())  # a clone: the stage may start in-place (ReLU)
+    for op in schedule(stage.index, stage.num_stages, len(xs)):
+        m = op.micro
+        if op.kind == "recv_act":
+            inputs[m] = _recv((xs[m].shape[0], *shape), x.device, rank - 1).requires_grad_()
+        elif op.kind == "forward":
+            inp = xs[m] if stage.is_first else inputs[m]
+            with autocast():
+                out = module(inp if stage.is_first else inp.clone())  # a clone: the stage may start in-place (ReLU)
+                if stage.is_last:
+                    out = criterion(out, ys[m]) * (xs[m].shape[0] / n) * scale
+            outputs[m] = out
             if stage.is_last:
-                loss = criterion(out, ym) * (xm.shape[0] / n) * scale
-        if stage.is_last:
-            loss.backward()
-            loss_sum = loss_sum + loss.detach().float()
-            if not stage.is_first:
-                sends.append(dist.isend(inp.grad.contiguous(), rank - 1))
-        else:
-            sends.append(dist.isend(out.detach().float().contiguous(), rank + 1))
-            kept.append((inp, out))
-    for inp, out in kept:  # backward phase of the non-last stages, micro-batches in order
-        grad = _recv(out.shape, x.device, rank + 1)
-        out.backward(grad.to(out.dtype))
-        if not stage.is_first:
-            sends.append(dist.isend(inp.grad.contiguous(), rank - 1))
+                loss_sum = loss_sum + out.detach().float()
+        elif op.kind == "send_act":
+            sends.append(dist.isend(outputs[m].detach().float().contiguous(), rank + 1))
+        elif op.kind == "recv_grad":
+            grads[m] = _recv(outputs[m].shape, x.device, rank + 1)
+        elif op.kind == "backward":
+            out = outputs.pop(m)
+            if stage.is_last:
+                (out * loss_scale if loss_scale != 1.0 else out).backward()
+            else:
+                out.backward(grads.pop(m).to(out.dtype))
+        elif op.kind == "send_grad":
+            sends.append(dist.isend(inputs.pop(m).grad.contiguous(), rank - 1))
     for work in sends:
         work.wait()
     return loss_sum
+
+
+class LossScale:
+    """Dynamic loss scaling for fp16 across pipeline stages (GradScaler's rule, agreed by all).
+
+    A stage alone cannot use ``torch.amp.GradScaler``: the loss lives on the last stage, and
+    every stage must skip the same steps. After the backward, each stage checks its gradients
+    for inf/NaN; the flags are all-reduced (MAX); all stages then unscale and step, or all
+    skip and halve the scale. After ``growth_interval`` good steps the scale doubles.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000, distributed: bool = False,
+                 group: Any = None) -> None:
+        self.scale, self.growth_interval = init_scale, growth_interval
+        self.distributed, self.group, self.good = distributed, group, 0
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale the gradients and step ``optimizer`` unless any stage saw inf/NaN; returns
+        whether it stepped."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        bad = torch.zeros(1)
+        if grads:  # one host sync for all of the stage's gradients
+            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float().reshape(1).cpu()
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if bad.item():
+            self.scale, self.good = self.scale / 2, 0
+            return False
+        for grad in grads:
+            grad.mul_(1.0 / self.scale)
+        optimizer.step()
+        self.good += 1
+        if self.good % self.growth_interval == 0:
+            self.scale *= 2
+        return True
+
+    def state_dict(self) -> dict[str, float]:
+        """The scale and the count of good steps (for checkpoints)."""
+        return {"scale": self.scale, "good": self.good}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.scale, self.good = float(state["scale"]), int(state["good"])
 
 
 def _recv(shape: Sequence[int], device: torch.device, src: int) -> torch.Tensor:
@@ -237,7 +361,14 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     Raises:
         ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
     """
-    from cyclone_kit.runtime.train import _gather_hosts, _seed_everything, begin_segment, lr_factor, make_plan
+    from cyclone_kit.runtime.train import (
+        _gather_hosts,
+        _seed_everything,
+        begin_segment,
+        lr_factor,
+        make_plan,
+        resolve_precision,
+    )
 
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -266,9 +397,9 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
     data = build_data(tc, solo, dev, workers=workers)
     plan = make_plan(tc, 1, data.train.sampler.full_length())
-    precision = "bf16" if tc.precision == "bf16" or (tc.precision == "auto" and device.kind == "cuda"
-                                                       and torch.cuda.is_bf16_supported()) else "fp32"
-    dtype = torch.bfloat16 if precision == "bf16" else None
+    precision = resolve_precision(tc.precision, device.kind, device.native_bf16)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = LossScale(distributed=distributed, group=side_group()) if precision == "fp16" else None
 
     torch.manual_seed(tc.seed)  # the same full model on every rank, then each keeps its stage
     info = data.info
@@ -285,7 +416,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
                                                                                    plan.total_steps))
     autocast = (lambda: torch.autocast(device_type=dev.type, dtype=dtype)) if dtype else contextlib.nullcontext
 
-    state = _State(spec, run_dir, env, stage, optimizer, scheduler, plan, distributed)
+    state = _State(spec, run_dir, env, stage, optimizer, scheduler, plan, distributed, scaler)
     step = state.resume() if cc.resume else 0
     launcher = environ.get("CYCLONE_LAUNCHER") or env.launcher
     writer = begin_segment(run_dir, env, environ, plan, tc, stop_flag, precision=precision, strategy="pipeline",
@@ -317,8 +448,12 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
                 x, y = next(batches)
                 data_s += time.perf_counter() - t0
                 loss_sum = loss_sum + pipeline_step(stage, x, y, tc.microbatches, shape, criterion,
-                                                    1.0 / plan.grad_accum, autocast)
-            optimizer.step()
+                                                    1.0 / plan.grad_accum, autocast,
+                                                    scaler.scale if scaler is not None else 1.0)
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step += 1
@@ -329,10 +464,10 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
                     import torch.distributed as dist
 
                     dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                value = float(loss.item())  # waits for the GPU (the all-reduce follows the last stage's work)
                 elapsed = max(time.perf_counter() - window_t0, 1e-9)
                 rate = plan.global_batch * window_steps / elapsed
                 rates.append(rate)
-                value = float(loss.item())
                 writer.write(mx.step_record(step, epoch, value, elapsed / window_steps, data_s / window_steps,
                                             rate, mx.utc_now()))
                 if env.is_main:
@@ -420,22 +555,19 @@ class _State:
     """Checkpoint save/resume of a pipeline run (engine format; ``model`` is the full state dict)."""
 
     def __init__(self, spec: JobSpec, run_dir: Path, env: DistEnv, stage: Stage, optimizer: Any, scheduler: Any,
-                 plan: Any, distributed: bool) -> None:
+                 plan: Any, distributed: bool, scaler: LossScale | None = None) -> None:
         self.spec, self.run_dir, self.env, self.stage = spec, run_dir, env, stage
         self.optimizer, self.scheduler, self.plan, self.distributed = optimizer, scheduler, plan, distributed
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        self.scaler = scaler
 
     def save(self, step: int, epoch: int) -> None:
-        mine = {"model": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": ckpt.capture_rng()}
-        every = self._gather(mine)
+        from cyclone_kit.runtime.train import gather_to_main
+
+        # CPU copies, gathered to rank 0 only: no rank unpickles another stage's state onto its GPU
+        mine = {"model": self.stage.state_dict(), "optimizer": to_cpu(self.optimizer.state_dict()),
+                "rng": ckpt.capture_rng()}
+        every = gather_to_main(mine, self.env, self.distributed)
+        del mine
         if self.env.is_main:
             model: dict[str, torch.Tensor] = {}
             for part in every:
@@ -455,11 +587,13 @@ class _State:
                 "world_size": self.env.world_size,
                 "global_batch": plan.global_batch,
             }
+            if self.scaler is not None:
+                state["loss_scale"] = self.scaler.state_dict()
             ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.spec.checkpoint.keep)
-        if self.distributed:
+        if self.distributed:  # the others wait while rank 0 writes: on gloo, off NCCL's watchdog
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=side_group())
 
     def resume(self) -> int:
         """Load the newest checkpoint (chosen by rank 0) into this stage; returns its step (0 if none)."""
@@ -469,7 +603,7 @@ class _State:
         if self.distributed:
             import torch.distributed as dist
 
-            dist.broadcast_object_list(choice, src=0)
+            dist.broadcast_object_list(choice, src=0, group=side_group())
         if choice[0] is None:
             return 0
         path = Path(choice[0])
@@ -489,7 +623,20 @@ class _State:
             warn(f"checkpoint {path.name} was written by a {state.get('strategy', 'ddp')} run with "
                  f"{state.get('world_size')} rank(s): weights restored, optimizer momentum restarts")
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "loss_scale" in state:
+            self.scaler.load_state_dict(state["loss_scale"])
         if self.env.is_main:
             print(f"cyclone_kit: resumed from {path} at step {state['step']}", flush=True)
             sys.stdout.flush()
         return int(state["step"])
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every tensor copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj

@@ -37,7 +37,15 @@ from cyclone_kit.errors import CommandError, ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import Data, auto_workers, build_data
-from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, warn, worker_cpus
+from cyclone_kit.runtime.dist import (
+    DeviceChoice,
+    init_process_group,
+    probe_device,
+    setup_threads,
+    side_group,
+    warn,
+    worker_cpus,
+)
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
@@ -103,7 +111,12 @@ def make_plan(train: TrainConfig, world_size: int, samples_per_rank: int) -> Pla
 
 
 def resolve_precision(requested: str, device_kind: str, bf16_supported: bool) -> str:
-    """``auto`` -> bf16 (or fp16) on CUDA, fp32 on CPU; fp16 on CPU falls back to fp32 (pure)."""
+    """``auto`` -> bf16 (or fp16) on CUDA, fp32 on CPU; fp16 on CPU falls back to fp32 (pure).
+
+    ``bf16_supported`` must mean *native* bf16 (:attr:`DeviceChoice.native_bf16`, compute
+    capability 8.0+): torch's ``is_bf16_supported()`` also says True for emulated bf16 on a V100,
+    which is slow there; fp16 with a GradScaler is the V100's mixed precision.
+    """
     if device_kind != "cuda":
         return "bf16" if requested == "bf16" else "fp32"
     if requested == "auto":
@@ -114,6 +127,38 @@ def resolve_precision(requested: str, device_kind: str, bf16_supported: bool) ->
 
 
 # --------------------------------------------------------------------------- strategies
+def place_model(model: nn.Module, dev: torch.device, strategy: str, channels_last: bool) -> nn.Module:
+    """Move ``model`` to ``dev``; with ``channels_last``, its conv weights too, except under FSDP:
+    ``fully_shard`` refuses non-contiguous parameters ("FSDP does not support non-contiguous
+    parameters", torch 2.14), and channels_last inputs alone give channels_last convolutions."""
+    model = model.to(dev)
+    if channels_last and strategy != "fsdp":
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return model
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Any, horovod: bool = False) -> None:
+    """One optimizer update, through ``scaler`` (fp16) when given.
+
+    With Horovod the gradients are still being all-reduced asynchronously when backward
+    returns; ``scaler.step`` would unscale them while Horovod writes the reduced (still scaled)
+    values over them, and each rank would judge inf/NaN on its own gradients. Horovod's AMP
+    order: ``synchronize()`` (wait for the averaged gradients), ``unscale_``, then ``step``
+    inside ``skip_synchronize()``.
+    """
+    if scaler is None:
+        optimizer.step()
+        return
+    if horovod:
+        optimizer.synchronize()  # type: ignore[attr-defined]
+        scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+            scaler.step(optimizer)
+    else:
+        scaler.step(optimizer)
+    scaler.update()
+
+
 def use_static_graph(train: TrainConfig) -> bool:
     """Whether DDP gets ``static_graph=True`` (pure): when the spec allows it (the default) and
     it is valid. The built-in models run the same graph every step, but DDP's static graph
@@ -296,7 +341,9 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         torch.backends.cudnn.benchmark = False
     elif device.kind == "cuda":
         torch.backends.cudnn.benchmark = True
-    distributed = init_process_group(env, device, tc.pg_timeout_s)
+    # Horovod moves the gradients; the engine's own group (stop flag, loss, checkpoints) is gloo.
+    distributed = init_process_group(env, device, tc.pg_timeout_s,
+                                     backend="gloo" if tc.strategy == "horovod" else None)
     host = env.host or socket.gethostname()
     hostnames = _gather_hosts(host, distributed)
 
@@ -304,13 +351,11 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
     data = build_data(tc, env, dev, workers=workers, channels_last=channels_last)
     plan = make_plan(tc, env.world_size, data.train.sampler.full_length())
-    precision = resolve_precision(tc.precision, device.kind,
-                                  device.kind == "cuda" and torch.cuda.is_bf16_supported())
+    precision = resolve_precision(tc.precision, device.kind, device.native_bf16)
 
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
-    model = build_model(tc.model, data.info.num_classes, data.info.image_size, data.info.channels).to(dev)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    model = place_model(build_model(tc.model, data.info.num_classes, data.info.image_size, data.info.channels),
+                        dev, tc.strategy, channels_last)
     _seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
     wrapped = wrap_model(tc.strategy, model, device, tc, distributed)
     runner = torch.compile(wrapped) if tc.compile else wrapped
@@ -397,11 +442,7 @@ class _Loop:
                 else:
                     loss.backward()
             loss_sum = loss_sum + loss.detach().float()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        optimizer_step(self.optimizer, self.scaler, horovod=self.tc.strategy == "horovod")
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss_sum
@@ -534,15 +575,7 @@ class _Loop:
         return torch.zeros(1, info.channels, info.image_size, info.image_size, device=self.dev)
 
     def _checkpoint(self, step: int, epoch: int) -> None:
-        rng = ckpt.capture_rng()
-        if self.distributed:
-            import torch.distributed as dist
-
-            gathered: list[Any] = [None] * self.env.world_size
-            dist.all_gather_object(gathered, rng)
-            rngs = gathered
-        else:
-            rngs = [rng]
+        rngs = gather_to_main(ckpt.capture_rng(), self.env, self.distributed)
         model_state: Any = None
         optim_state: Any = None
         optim_format = "torch"
@@ -585,10 +618,10 @@ class _Loop:
                 from cyclone_kit.runtime import fsdp_ckpt
 
                 fsdp_ckpt.prune(self.run_dir / "checkpoints")
-        if self.distributed:
+        if self.distributed:  # the others wait while rank 0 writes and fsyncs: on gloo, off NCCL's watchdog
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=side_group())
 
     def _rank_summary(self) -> None:
         peak = None
@@ -682,7 +715,7 @@ def _agreed_checkpoint(folder: Path, env: DistEnv, distributed: bool) -> tuple[d
 
     found = ckpt.load_latest(folder) if env.is_main else None
     choice: list[Any] = [str(found[1]) if found else None]
-    dist.broadcast_object_list(choice, src=0)
+    dist.broadcast_object_list(choice, src=0, group=side_group())  # rank 0 may take minutes to load it
     if choice[0] is None:
         return None
     if env.is_main:
@@ -709,8 +742,20 @@ def _gather_hosts(host: str, distributed: bool) -> list[str]:
         import torch.distributed as dist
 
         hosts = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(hosts, host)
+        dist.all_gather_object(hosts, host, group=side_group())
     return list(dict.fromkeys(str(h) for h in hosts))
+
+
+def gather_to_main(obj: Any, env: DistEnv, distributed: bool) -> list[Any]:
+    """Every rank's ``obj`` (picklable, on the CPU) in rank order on rank 0, [] on the others;
+    over the gloo side group, so no rank unpickles another's state onto its own GPU."""
+    if not distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * env.world_size if env.is_main else None
+    dist.gather_object(obj, out, dst=0, group=side_group())
+    return out if out is not None else []
 
 
 def _versions() -> dict[str, str | None]:

@@ -1,17 +1,19 @@
 """Requeue on the wall-time limit, on the real local Slurm cluster (issue 4, "done when" bullet 3).
 
-Two jobs/smoke.toml jobs run side by side on 2 nodes x 1 task with ``--time 1`` and
-``checkpoint.signal_lead_s=40``, so the genuine ``#SBATCH --signal=USR2@40`` reaches the ranks
-about 20 s after the start, long before 600 optimizer steps can be done:
+Two jobs/smoke.toml jobs run side by side on 2 nodes x 1 task. Neither depends on how fast the
+machine trains (issue 12):
 
-* the default job (max_requeues=3) checkpoints, runs ``scontrol requeue`` and exits; Slurm
-  starts it again (SLURM_RESTART_COUNT=1) and it resumes from the checkpoint and completes.
-  Once the first segment has stopped, the test raises the job's time limit (``scontrol update``)
-  so that the second segment is not signalled as well: two segments, whatever the machine's speed.
-  The step records (log_every=1) must show every optimizer step exactly once across both.
-* the max_requeues=0 job is signalled the same way, checkpoints, ends "preempted" and is not requeued.
+* the requeued job (max_requeues=3, 600 steps, a long time limit) is stopped by the test itself:
+  as soon as its first step record appears, ``scancel --signal=USR2`` sends the requeue signal to
+  its ranks, exactly as the ``#SBATCH --signal=USR2@LEAD`` would. It checkpoints, runs ``scontrol
+  requeue`` and exits; Slurm starts it again (SLURM_RESTART_COUNT=1), it resumes from the
+  checkpoint and completes. The step records (log_every=1) must show every optimizer step exactly
+  once across both segments.
+* the genuine path: the max_requeues=0 job has ``--time 3`` and ``signal_lead_s=60``, so Slurm
+  itself signals it 60-120 s after the start, and a step count no machine can finish in that time.
+  It checkpoints, ends "preempted" and is not requeued.
 
-Both take about 1.5 minutes together (Slurm holds a requeued job ~30 s: cred_expire).
+Both take about 2.5 minutes together (Slurm holds a requeued job ~30 s: cred_expire).
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ from cyclone_kit.proc import run_command
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.slurm.parse import parse_scontrol_job, select_job
 from cyclone_kit.slurm.states import JobState
-from tests.slurm.test_faults import cancel_quietly, read_records, submit_smoke, wait_for
+from tests.slurm.test_faults import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 STEPS = 600
-LEAD_S = 40
-COMMON = ("--nodes", "2", "--ntasks-per-node", "1", "--time", "1")
-SETS = (f"train.steps={STEPS}", "train.log_every=1", f"checkpoint.signal_lead_s={LEAD_S}")
+#: the genuine #SBATCH --signal path: Slurm signals 60-120 s after the start (it may signal up to
+#: 60 s early), long before this many steps can be done on any machine
+GENUINE_STEPS = 1_000_000
+COMMON = ("--nodes", "2", "--ntasks-per-node", "1")
+DRIVEN = (*COMMON, "--time", "15")
+GENUINE = (*COMMON, "--time", "3")
+SETS = ("train.log_every=1",)
+#: hang guards only (a broken job); every wait is for an event
+HANG_S = 900
 
 
 def _ends(run_dir: Path) -> list[dict[str, Any]]:
@@ -57,24 +65,25 @@ def _when(record: dict[str, Any]) -> datetime.datetime:
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Submit both jobs at once; extend the requeued one's time limit after its first segment; wait for both."""
+    """Submit both jobs at once; signal the requeued one once it trains; wait for both to end."""
     backend = SlurmBackend()
     runs = tmp_path_factory.mktemp("requeue")
-    requeued = submit_smoke(runs, *COMMON, sets=SETS)
-    limited = submit_smoke(runs, *COMMON, sets=(*SETS, "checkpoint.max_requeues=0"))
+    requeued = submit_smoke(runs, *DRIVEN, sets=(*SETS, f"train.steps={STEPS}"))
+    limited = submit_smoke(runs, *GENUINE, sets=(*SETS, f"train.steps={GENUINE_STEPS}", "checkpoint.signal_lead_s=60",
+                                                 "checkpoint.max_requeues=0"))
     submitted = time.monotonic()
     try:
-        # The first segment of the requeued job ends "preempted"; from then on give it time to finish.
-        wait_for(lambda: _ends(requeued[1]), 150, "the first segment to stop on the signal", poll=0.2)
-        first_stop = time.monotonic()
-        run_command(["scontrol", "update", f"JobId={requeued[0]}", "TimeLimit=10"], timeout=30)
-        limited_info = backend.wait(limited[0], timeout=150)
-        requeued_info = backend.wait(requeued[0], timeout=240)
+        wait_for(lambda: steps_logged(requeued[1]) > 0, HANG_S, "the requeued job's first step record", poll=0.05)
+        run_command(["scancel", "--signal=USR2", requeued[0]], timeout=60)
+        signalled = time.monotonic()
+        wait_for(lambda: _ends(requeued[1]), HANG_S, "the first segment to stop on the signal", poll=0.2)
+        requeued_info = backend.wait(requeued[0], timeout=HANG_S)
+        limited_info = backend.wait(limited[0], timeout=HANG_S)
         done = time.monotonic()
     finally:
         cancel_quietly(backend, requeued[0])
         cancel_quietly(backend, limited[0])
-    print(f"requeue job {requeued[0]}: signalled and stopped {first_stop - submitted:.1f} s after submission, "
+    print(f"requeue job {requeued[0]}: signalled {signalled - submitted:.1f} s after submission, "
           f"{requeued_info.state.value} {done - submitted:.1f} s after submission")
     return {"requeued": (*requeued, requeued_info), "limited": (*limited, limited_info)}
 
@@ -115,7 +124,7 @@ def test_max_requeues_zero_stops_preempted_without_requeue(jobs: dict[str, Any])
     assert len(starts) == 1 and starts[0]["restart_count"] == 0
     assert [e["status"] for e in ends] == ["preempted"], ends
     stopped_at = ends[0]["steps"]
-    assert 0 < stopped_at < STEPS
+    assert 0 < stopped_at < GENUINE_STEPS
     assert info.state is JobState.COMPLETED, info  # a clean stop: the batch script exits 0
     assert _restarts(job_id) == 0
     assert not (run_dir / "failure.json").exists(), "a clean stop is no failure"

@@ -103,7 +103,11 @@ def test_overrides_bare_and_dotted():
 
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
 def test_set_value_never_crashes_and_strings_survive(value):
-    """Any text after '=' parses: either as a TOML literal or kept verbatim as a string."""
+    """Any text after '=' parses: either as a TOML literal or kept verbatim as a string (empty: refused)."""
+    if value.strip() in ("", '""', "''"):
+        with pytest.raises(ValidationError, match="empty value"):
+            parse_assignment(f"train.data_dir={value}")
+        return
     key, parsed = parse_assignment(f"train.data_dir={value}")
     assert key == "train.data_dir"
     if isinstance(parsed, str) and not value.strip().startswith(('"', "'")):
@@ -113,3 +117,16 @@ def test_set_value_never_crashes_and_strings_survive(value):
 @given(st.integers(min_value=1, max_value=10**6))
 def test_set_int_round_trip(n):
     assert spec_from_dict(apply_overrides({}, [f"resources.nodes={n}"])).resources.nodes == n
+
+
+def test_profile_binding_values_are_checked_and_rendered_as_srun_options() -> None:
+    """Issue 16 item 13: binding lives in the profile; a value srun would not take is refused."""
+    import dataclasses
+
+    from cyclone_kit.config import load_profile
+
+    cyclone = load_profile("cyclone")
+    assert cyclone.srun_binding == ("--cpu-bind=cores", "--distribution=block:block", "--gpu-bind=none")
+    assert load_profile("local").srun_binding == ()
+    with pytest.raises(ValidationError, match="gpu_bind 'none; rm -rf ~' is not a Slurm binding value"):
+        dataclasses.replace(cyclone, gpu_bind="none; rm -rf ~")

@@ -228,9 +228,76 @@ def test_choose_device(local_rank: int, usable: bool, count: int, kind: str, ind
     assert (d.kind, d.index, d.backend) == (kind, index, "nccl" if kind == "cuda" else "gloo")
 
 
-def test_fake_gpus_fall_back_to_cpu_with_a_warning() -> None:
-    d = choose_device(0, False, 0, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+def test_fake_gpus_fall_back_to_cpu_with_a_warning_only_when_allowed() -> None:
+    """Issue 16 item 11: GPUs allocated but CUDA unusable is an error, unless CYCLONE_CPU_FALLBACK=1
+    (the local test cluster's fake GPUs)."""
+    d = choose_device(0, False, 0, {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "CYCLONE_CPU_FALLBACK": "1"})
     assert d.kind == "cpu" and "CUDA_VISIBLE_DEVICES=0,1,2,3" in d.warning
+    with pytest.raises(ValidationError, match=r"given GPUs \(CUDA_VISIBLE_DEVICES=0,1,2,3\)") as info:
+        choose_device(0, False, 0, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert "\n" not in str(info.value) and "CYCLONE_CPU_FALLBACK=1" in info.value.hint
+    assert choose_device(0, False, 0, {"CUDA_VISIBLE_DEVICES": ""}).kind == "cpu"  # no GPUs given: CPU, silently
+
+
+#: (GPUs the task sees, ranks on the node, local rank) -> device index, or None = refused.
+LAYOUTS = [
+    (1, 4, 3, 0),      # --gpus-per-task=1 / --gpu-bind=single:1: each task's one GPU is device 0
+    (4, 4, 3, 3),      # one task per GPU, every task sees the node's 4 GPUs (--gpu-bind=none)
+    (4, 1, 0, 0),      # one process per node (torchrun agent's worker 0 / single GPU run)
+    (8, 4, 2, 2),      # more GPUs than ranks: rank r on GPU r
+    (4, 0, 5, 1),      # node size unknown: the old local_rank % count
+    (2, 4, 0, None),   # --gpu-bind=closest, 2 GPUs per socket, 4 ranks: rank 0 and 2 would share GPU 0
+    (2, 4, 3, None),
+    (3, 4, 1, None),
+]
+
+
+@pytest.mark.parametrize(("count", "local_world", "local_rank", "expected"), LAYOUTS)
+def test_device_layouts(count: int, local_world: int, local_rank: int, expected: int | None) -> None:
+    if expected is None:
+        with pytest.raises(ValidationError, match=f"sees {count} GPUs but its node runs {local_world} ranks"):
+            choose_device(local_rank, True, count, {}, local_world_size=local_world)
+    else:
+        d = choose_device(local_rank, True, count, {}, local_world_size=local_world)
+        assert (d.kind, d.index) == ("cuda", expected)
+
+
+@pytest.mark.parametrize(("capability", "native"), [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_auto_precision_is_fp16_below_sm80_and_bf16_from_it(capability: tuple[int, int], native: bool) -> None:
+    """Item 1: torch.cuda.is_bf16_supported() is True on a V100 (emulation); the choice uses native bf16."""
+    from cyclone_kit.runtime.dist import DeviceChoice
+    from cyclone_kit.runtime.train import resolve_precision
+
+    d = DeviceChoice("cuda", 0, "gpu", "nccl", capability=capability)
+    assert d.native_bf16 is native
+    assert resolve_precision("auto", "cuda", d.native_bf16) == ("bf16" if native else "fp16")
+    assert resolve_precision("bf16", "cuda", d.native_bf16) == ("bf16" if native else "fp16")
+    assert not DeviceChoice("cpu", None, "cpu", "gloo").native_bf16
+
+
+CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14.1+cu130, as the venv lists
+CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+
+
+@pytest.mark.parametrize(("capability", "archs", "ok"), [
+    ((7, 0), CU130_ARCHS, False), ((7, 0), CU126_ARCHS, True), ((8, 9), CU130_ARCHS, True),  # sm_86 cubin runs on 8.9
+    ((9, 0), CU130_ARCHS, True), ((7, 0), ["sm_80", "compute_70"], True), ((12, 1), CU126_ARCHS, False),
+])
+def test_arch_supported(capability: tuple[int, int], archs: list[str], ok: bool) -> None:
+    from cyclone_kit.runtime.dist import arch_supported
+
+    assert arch_supported(capability, archs) is ok
+
+
+def test_v100_with_a_cu130_torch_is_refused_naming_the_cu126_index() -> None:
+    from cyclone_kit.runtime.dist import check_arch
+
+    with pytest.raises(ValidationError) as info:
+        check_arch((7, 0), CU130_ARCHS, "Tesla V100-SXM2-32GB", "2.14.1+cu130")
+    err = info.value
+    assert "\n" not in str(err) and "sm_70" in str(err) and "Tesla V100" in str(err)
+    assert "https://download.pytorch.org/whl/cu126" in err.hint
+    check_arch((7, 0), CU126_ARCHS, "Tesla V100", "2.14.1+cu126")  # no error
 
 
 def test_cpus_per_task() -> None:

@@ -58,10 +58,12 @@ def test_cyclone_4_node_script_has_everything():
                  "#SBATCH --gres=gpu:4", "#SBATCH --time=01:00:00", "#SBATCH --partition=gpu",
                  "#SBATCH --job-name=demo", f"#SBATCH --output={RUN_DIR}/logs/%x-%j.out",
                  f"#SBATCH --error={RUN_DIR}/logs/%x-%j.err", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
-                 "module load CUDA/12.1.1", 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
+                 "--cpu-bind=cores --distribution=block:block --gpu-bind=none",
+                 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
                  "export MASTER_ADDR", "-m cyclone_kit.ports 15000 16000", "export MASTER_PORT", "srun --kill-on-bad-exit=1"]:
         assert line in text, line
     assert "--account" not in text.replace("--account=<project>", "").replace("--account to", "")
+    assert "module load" not in text  # issue 16: the job runs the submitting env's python with torch's own CUDA
 
 
 def test_signal_is_configurable_and_no_signal_without_checkpointing():

@@ -114,3 +114,71 @@ def test_rendezvous_plan_sizes_horovods_scopes() -> None:
     server.scope_size = {}
     server._extract_scope_size(plan)
     assert server.scope_size == {"global": 4, "local_c1": 2, "local_c2": 2, "cross_0": 2, "cross_1": 2}
+
+
+# ------------------------------------------------------------------ pipeline schedule: send/recv order (issue 16)
+def _old_interleaved_schedule(index: int, num_stages: int, microbatches: int) -> list:
+    """The schedule before issue 16: the last stage ran each micro-batch's backward (and sent its
+    gradient) right after its forward, while the stage before it was still sending activations."""
+    from cyclone_kit.runtime.pipeline import Op
+
+    first, last = index == 0, index == num_stages - 1
+    ops = []
+    for m in range(microbatches):
+        if not first:
+            ops.append(Op("recv_act", m, index - 1))
+        ops.append(Op("forward", m))
+        if last:
+            ops.append(Op("backward", m))
+            if not first:
+                ops.append(Op("send_grad", m, index - 1))
+        else:
+            ops.append(Op("send_act", m, index + 1))
+    if not last:
+        for m in range(microbatches):
+            ops += [Op("recv_grad", m, index + 1), Op("backward", m)]
+            if not first:
+                ops.append(Op("send_grad", m, index - 1))
+    return ops
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 1), (2, 4), (3, 3), (4, 8)])
+def test_pipeline_schedule_sends_and_receives_match_in_order(stages: int, microbatches: int) -> None:
+    from cyclone_kit.runtime.pipeline import order_mismatches, schedule
+
+    plans = [schedule(k, stages, microbatches) for k in range(stages)]
+    assert order_mismatches(plans) == []
+    for k, ops in enumerate(plans):  # every micro-batch has one forward and one backward, forward first
+        for m in range(microbatches):
+            kinds = [op.kind for op in ops if op.micro == m and op.peer is None]
+            assert kinds == ["forward", "backward"], (k, m)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (3, 4)])
+def test_the_old_interleaved_schedule_breaks_the_matching_order_rule(stages: int, microbatches: int) -> None:
+    """The rule catches what deadlocks on NCCL: the last stage sends gradient 0 while its
+    neighbour still sends activation 1 (both block above NCCL's buffer size)."""
+    from cyclone_kit.runtime.pipeline import order_mismatches
+
+    problems = order_mismatches([_old_interleaved_schedule(k, stages, microbatches) for k in range(stages)])
+    assert problems and f"stages {stages - 2}-{stages - 1}, operation 1" in problems[-1]
+    assert "('send', 'act', 1)" in problems[-1] and "('send', 'grad', 0)" in problems[-1]
+
+
+def test_loss_scale_skips_a_step_with_inf_gradients_and_halves_the_scale() -> None:
+    from cyclone_kit.runtime.pipeline import LossScale
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = LossScale(init_scale=8.0, growth_interval=2)
+    p.grad = torch.tensor([8.0, 16.0, float("inf")])
+    assert scaler.step(opt) is False and scaler.scale == 4.0
+    torch.testing.assert_close(p.detach(), torch.ones(3))  # not stepped
+    p.grad = torch.tensor([4.0, 8.0, 0.0])  # gradients scaled by 4
+    assert scaler.step(opt) is True
+    torch.testing.assert_close(p.detach(), torch.tensor([0.0, -1.0, 1.0]))  # unscaled: 1, 2, 0
+    p.grad = torch.zeros(3)
+    assert scaler.step(opt) is True and scaler.scale == 8.0  # 2 good steps: grows
+    restored = LossScale()
+    restored.load_state_dict(scaler.state_dict())
+    assert (restored.scale, restored.good) == (8.0, 2)

@@ -30,10 +30,16 @@ def test_gpu_job_maps_nodes_tasks_gres_signal_and_requeue() -> None:
 
 
 def test_profile_modules_env_and_account_are_carried() -> None:
+    import dataclasses
+
     job = _job("cyclone", partition="gpu", nodes=1, account="p163")
+    # issue 16: the cyclone profile loads no modules now; carry those of a profile that has some
+    job = dataclasses.replace(job, profile=dataclasses.replace(
+        job.profile, modules=("Python/3.10.4-GCCcore-11.3.0", "CUDA/12.1.1")))
     params = slurm_parameters(job, "/r")
     assert params["account"] == "p163" and params["gres"] == "gpu:4" and params["cpus_per_task"] == 10
     assert params["setup"][:3] == ["module purge", "module load Python/3.10.4-GCCcore-11.3.0", "module load CUDA/12.1.1"]
+    assert params["srun_args"][:3] == ["--cpu-bind=cores", "--distribution=block:block", "--gpu-bind=none"]
 
 
 def test_cpu_job_asks_no_gpus() -> None:
