@@ -204,7 +204,7 @@ def time_to_solution_records(start: Mapping[str, Any], end: Mapping[str, Any], s
         num_nodes=start["num_nodes"], local_world_size=start["local_world_size"],
         per_device_batch_size=per_device, global_batch_size=per_device * world if per_device else None,
         model=name, dataset="script", precision=None, strategy=TIME_TO_SOLUTION,
-        launcher=start["launcher"], device="cpu" if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "" else None,
+        launcher=start["launcher"], device=_device_kind(spec),
         device_name=None, hostnames=start["hostnames"], slurm_job_id=start["slurm_job_id"], time=start["time"],
         versions={"cyclone_kit": _version()}, git_commit=None, restart_count=start["restart_count"],
         basis=TIME_TO_SOLUTION,
@@ -212,6 +212,12 @@ def time_to_solution_records(start: Mapping[str, Any], end: Mapping[str, Any], s
     status = "completed" if end["status"] == "completed" else "failed"
     tail = metrics_end(status, 0, 1.0 / wall if wall > 0 and status == "completed" else None, wall, end["time"])
     return [head, {**tail, "steps": None, "basis": TIME_TO_SOLUTION}]
+
+
+def _device_kind(spec: Any) -> str | None:
+    """``cuda`` when the job was given GPUs, ``cpu`` when it was given none, None when unknown (pure)."""
+    gpus = getattr(getattr(spec, "resources", None), "gpus_per_node", None)
+    return None if gpus is None else ("cuda" if gpus else "cpu")
 
 
 # --------------------------------------------------------------------------- side effects
