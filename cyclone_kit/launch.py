@@ -363,6 +363,10 @@ def _run(shim: ShimArgs) -> int:
     """Everything between the parsed arguments and the exit status."""
     from cyclone_kit.errors import CycloneError
 
+    # `python -m cyclone_kit.launch` runs this module as __main__: register it under its own name too,
+    # so code in the script (ck's exception hook) can tell that the shim records the end and exits.
+    sys.modules.setdefault(__spec__.name if __spec__ else "cyclone_kit.launch", sys.modules[__name__])
+
     started = time.monotonic()
     run_dir = Path(shim.run_dir).absolute() if shim.run_dir else None
     if run_dir is not None:
@@ -402,7 +406,10 @@ def _run(shim: ShimArgs) -> int:
         _record_error(run_dir, rank, host, e, message="interrupted (SIGINT)")
     except BaseException as e:
         code, error = 1, f"{type(e).__name__}: {e}"
-        sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n")
+        if isinstance(e, CycloneError):  # e.g. a ck.* call out of order: one line, its own exit code
+            code = e.exit_code
+        else:
+            sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n")
         sys.excepthook(type(e), e, e.__traceback__)  # as for any uncaught exception (ck's hook records it too)
         _record_error(run_dir, rank, host, e)
     if main_rank:
