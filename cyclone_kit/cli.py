@@ -17,7 +17,7 @@ from cyclone_kit import __version__
 from cyclone_kit.errors import CycloneError
 
 #: Subcommands in the order ``--help`` lists them.
-COMMANDS = ("submit", "run", "sweep", "report", "status", "cancel", "logs", "env", "profiles")
+COMMANDS = ("submit", "run", "sweep", "report", "status", "cancel", "logs", "env", "profiles", "doctor")
 
 
 class OneLineParser(argparse.ArgumentParser):

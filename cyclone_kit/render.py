@@ -165,14 +165,20 @@ def render_script(
     *,
     python: str | None = None,
     environ: Mapping[str, str] | None = None,
+    template: str | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Render the sbatch script of ``job`` for ``run_dir`` with its launcher's template."""
+    """Render the sbatch script of ``job`` for ``run_dir`` with its launcher's template.
+
+    ``template`` picks another template (``doctor.sbatch.j2``); ``extra`` adds the values only
+    that template uses to :func:`script_context`.
+    """
     from jinja2 import TemplateError, TemplateNotFound
 
     env = _environment(tuple(str(d) for d in template_dirs(environ)))
-    name = f"{job.spec.resources.launcher}.sbatch.j2"
+    name = template or f"{job.spec.resources.launcher}.sbatch.j2"
     try:
-        return env.get_template(name).render(script_context(job, run_dir, python))
+        return env.get_template(name).render({**script_context(job, run_dir, python), **(extra or {})})
     except TemplateNotFound as e:
         raise ValidationError(f"template {e.name!r} not found", hint=f"search path: {template_dirs(environ)}") from None
     except TemplateError as e:

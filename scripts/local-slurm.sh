@@ -185,6 +185,7 @@ EOF
   if [[ $acct == 1 ]]; then
     cat <<EOF
 AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageTRES=gres/gpu
 AccountingStorageHost=localhost
 AccountingStoragePort=$DBD_PORT
 EOF
@@ -288,7 +289,7 @@ start_munge() {
   local deadline=$((SECONDS + TIMEOUT))
   while ((SECONDS < deadline)); do
     munge_ok && return 0
-    pid_alive "$ROOT/run/munged.pid" munged || break
+    any_alive "$(pid_of "$ROOT/run/munged.pid")" || break # comm may still be setsid/nohup
     sleep 0.1
   done
   tail -n 5 "$ROOT/log/munged.out" "$ROOT/log/munged.log" >&2 2>/dev/null || true
@@ -312,6 +313,7 @@ start_mariadb() {
       >>"$ROOT/log/mariadb-install.log" 2>&1 || die "mariadb-install-db failed (log: $ROOT/log/mariadb-install.log)"
   fi
   if ! pid_alive /run/mysqld/mysqld.pid mariadbd; then
+    touch "$ROOT/run/mariadb.ours" # stop_all stops only a MariaDB this root started
     detach "$ROOT/log/mariadbd.log" /usr/sbin/mariadbd --user=mysql --datadir="$datadir" \
       --skip-networking --socket="$sock" --pid-file=/run/mysqld/mysqld.pid >/dev/null
   fi
@@ -548,7 +550,8 @@ stop_all() {
   # shellcheck disable=SC2046,SC2086 # word splitting of the pid list is intended
   terminate $(printf '%s\n' $pids | sort -un)
   rm -f "$ROOT"/run/{slurmctld,slurmdbd}.pid "$ROOT"/run/slurmd-*.pid "$ROOT"/run/tini-*.pid "$ROOT/run/munged.pid" "$ROOT/run/accounting"
-  stop_pid /run/mysqld/mysqld.pid mariadbd
+  if [[ -f $ROOT/run/mariadb.ours ]]; then stop_pid /run/mysqld/mysqld.pid mariadbd; fi
+  rm -f "$ROOT/run/mariadb.ours"
 }
 
 cmd_stop() {

@@ -62,6 +62,32 @@ def slurm_cluster() -> dict[str, str]:
         time.sleep(0.5)
 
 
+@pytest.fixture(scope="session")
+def slurm_accounting(slurm_cluster: dict[str, str]) -> str:
+    """The AccountingStorageType, once slurmdbd records jobs (``sacct`` and ``sacctmgr`` answer).
+
+    Tests that need sacct take this fixture: without accounting they are skipped with the reason
+    and the command that starts the cluster with it; with CK_REQUIRE_ACCOUNTING=1 (CI) they fail.
+    """
+    from cyclone_kit.slurm import cluster
+
+    config = run_command(cluster.scontrol_show_config(), check=False, timeout=15)
+    storage = cluster.accounting_storage(cluster.parse_config(config.stdout))
+    probe = run_command(["sacct", "--noheader", "--allocations", "--jobs=1"], check=False, timeout=15)
+    reason = ""
+    if not cluster.accounting_enabled(cluster.parse_config(config.stdout)):
+        reason = f"Slurm accounting is disabled (AccountingStorageType={storage})"
+    elif not probe.ok:
+        reason = f"sacct fails: {' '.join(probe.stderr.split()) or probe.returncode}"
+    if reason:
+        message = f"{reason}. Start the cluster with: sudo scripts/local-slurm.sh start --with-accounting"
+        print(message)
+        if os.environ.get("CK_REQUIRE_ACCOUNTING") == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    return storage
+
+
 @pytest.fixture
 def backend(slurm_cluster: dict[str, str]) -> Iterator[SlurmBackend]:
     """A SlurmBackend; every job a test submits through :func:`submit` is cancelled afterwards."""
