@@ -144,7 +144,7 @@ def run_smoke_job(job: ResolvedJob, runs_dir: Path, *, wait_timeout_s: float, py
     """
     from cyclone_kit.backends.slurm import SlurmBackend
     from cyclone_kit.render import render_script
-    from cyclone_kit.rundir import create_run_dir, remove_run_dir, run_dir_name, write_atomic
+    from cyclone_kit.rundir import RunDir, create_run_dir, remove_run_dir, run_dir_name
 
     extra = {"probe_timeout_s": PROBE_TIMEOUT_S, "probe_megabytes": PROBE_MEGABYTES}
     runs_dir = Path(runs_dir).absolute()
@@ -154,14 +154,15 @@ def run_smoke_job(job: ResolvedJob, runs_dir: Path, *, wait_timeout_s: float, py
     run_dir = create_run_dir(runs_dir, JOB_NAME, {"doctor/README": "rank reports of cyclone-kit doctor's smoke job\n"})
     script = render_script(job, run_dir, python=python, template="doctor.sbatch.j2",
                            extra={**extra, "probe_dir": str(run_dir / "doctor")})
-    write_atomic(run_dir / "job.sbatch", script)
+    rd = RunDir(run_dir)
+    rd.write_script(script)
     backend = SlurmBackend(timeout=30)
     try:
-        job_id = backend.submit(run_dir / "job.sbatch", run_dir)
+        job_id = backend.submit(rd.script, run_dir)
     except CycloneError as e:
         remove_run_dir(run_dir)
         return SmokeResult(job_id="", state="", finished=False, reason=str(e))
-    write_atomic(run_dir / "job_id", job_id + "\n")
+    rd.write_submission(job_id, backend.name)
     progress(f"smoke job {job_id}: {job.nodes} node(s) x {job.ntasks_per_node} task(s) on {job.partition.name}; "
              f"run dir {run_dir}")
     deadline = time.monotonic() + wait_timeout_s
@@ -171,7 +172,7 @@ def run_smoke_job(job: ResolvedJob, runs_dir: Path, *, wait_timeout_s: float, py
             info = backend.status(job_id)
         except CycloneError as e:  # the controller stopped answering mid-way
             return SmokeResult(job_id, last_state or "UNKNOWN", False, f"lost contact with Slurm: {e.message}",
-                               reports=_read_reports(run_dir / "doctor"), stderr=_read_logs(run_dir / "logs", ".err"),
+                               reports=_read_reports(run_dir / "doctor"), stderr=_read_logs(rd.logs, ".err"),
                                run_dir=str(run_dir))
         if info.state.value != last_state:
             last_state = info.state.value
@@ -181,11 +182,11 @@ def run_smoke_job(job: ResolvedJob, runs_dir: Path, *, wait_timeout_s: float, py
         if time.monotonic() > deadline:
             backend.cancel(job_id)
             return SmokeResult(job_id, info.state.value, False, info.reason, info.elapsed, info.nodelist,
-                               _read_reports(run_dir / "doctor"), _read_logs(run_dir / "logs", ".err"), str(run_dir),
+                               _read_reports(run_dir / "doctor"), _read_logs(rd.logs, ".err"), str(run_dir),
                                cancelled=True)
         time.sleep(0.2)
     return SmokeResult(job_id, info.state.value, True, info.reason, info.elapsed, info.nodelist,
-                       _read_reports(run_dir / "doctor"), _read_logs(run_dir / "logs", ".err"), str(run_dir))
+                       _read_reports(run_dir / "doctor"), _read_logs(rd.logs, ".err"), str(run_dir))
 
 
 def run_doctor(options: DoctorOptions, *, environ: Mapping[str, str] | None = None,

@@ -56,8 +56,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: Rank 0's start/end records of the shim (one pair per run segment).
-SHIM_FILE = "shim.jsonl"
+from cyclone_kit.rundir import (
+    RunDir,
+)
+
 #: The strategy label of the records written for a script without ``ck.log_step``.
 TIME_TO_SOLUTION = "time-to-solution"
 #: The variables a torchrun worker sees, all set by :func:`torchrun_variables`.
@@ -193,8 +195,8 @@ def time_to_solution_records(start: Mapping[str, Any], end: Mapping[str, Any], s
     ``samples_per_s`` is 1 / wall time: the report's speed-up T(N)/T(N0) of this figure is the
     time-to-solution speed-up T(N0)/T(N) of the wall times, for the same work.
     """
-    from cyclone_kit.runtime.metrics import end_record as metrics_end
-    from cyclone_kit.runtime.metrics import record
+    from cyclone_kit.contract import end_record as metrics_end
+    from cyclone_kit.contract import record
 
     per_device = getattr(getattr(spec, "script", None), "batch_size", 0) or None
     world = int(start["world_size"])
@@ -237,12 +239,12 @@ def _append(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
 
 
 def _load_spec(run_dir: Path | None) -> Any:
-    if run_dir is None or not (run_dir / "spec.json").is_file():
+    if run_dir is None or not RunDir(run_dir).is_run_dir():
         return None
     try:
         from cyclone_kit.config import load_spec
 
-        return load_spec(run_dir / "spec.json")
+        return load_spec(RunDir(run_dir).spec)
     except Exception:  # the spec is a record here, not an input: a script runs without it
         return None
 
@@ -338,7 +340,7 @@ def run_script(shim: ShimArgs) -> None:
 
 
 def _utc_now() -> str:
-    from cyclone_kit.runtime.metrics import utc_now
+    from cyclone_kit.contract import utc_now
 
     return utc_now()
 
@@ -386,11 +388,11 @@ def _run(shim: ShimArgs) -> int:
     spec = _load_spec(run_dir)
     main_rank = env.rank == 0 and run_dir is not None
     start = start_record(env, shim, spec, _utc_now())
-    metrics = run_dir / "metrics.jsonl" if run_dir is not None else None
+    metrics = RunDir(run_dir).metrics if run_dir is not None else None
     metrics_before = _size(metrics) if metrics is not None else -1
     if main_rank:
         _check_hash(shim, spec)
-        _append(run_dir / SHIM_FILE, [start])
+        _append(RunDir(run_dir).shim, [start])
     if spec is not None:
         note_requeue_signal(spec)
     code, error = 0, None
@@ -416,7 +418,7 @@ def _run(shim: ShimArgs) -> int:
         assert run_dir is not None and metrics is not None
         status = "completed" if code == 0 else "failed"
         end = end_record(status, code, time.monotonic() - started, _utc_now(), error)
-        _append(run_dir / SHIM_FILE, [end])
+        _append(RunDir(run_dir).shim, [end])
         if _size(metrics) == metrics_before:  # the script wrote no metrics: time to solution
             name = Path(shim.script).stem if shim.script else str(shim.module)
             _append(metrics, time_to_solution_records(start, end, spec, name))
@@ -425,17 +427,17 @@ def _run(shim: ShimArgs) -> int:
 
 def watchdog_rank() -> int:
     """This process's rank from the launcher's variables, before detection (0 when none says)."""
-    from cyclone_kit.runtime.watchdog import rank_of
+    from cyclone_kit.failures import rank_guess
 
-    return rank_of(os.environ)
+    return rank_guess(os.environ)
 
 
 def _record_error(run_dir: Path | None, rank: int, host: str, exc: BaseException, message: str | None = None) -> None:
     """Write this rank's error record (the root cause the launcher prints first)."""
-    if run_dir is None or (run_dir / "ranks" / f"error-rank-{rank:05d}.json").exists():
+    if run_dir is None or RunDir(run_dir).error_record(rank).exists():
         return  # the script's own record (ck's exception hook) is kept
     try:
-        from cyclone_kit.runtime.metrics import write_error_record
+        from cyclone_kit.failures import write_error_record
 
         if message is not None:
             exc = type(exc)(message) if not isinstance(exc, SystemExit) else ScriptExit(message)

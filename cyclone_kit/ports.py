@@ -1,4 +1,10 @@
-"""The job's rendezvous port (MASTER_PORT), picked on the batch host when the job starts.
+"""The job's rendezvous port (MASTER_PORT): the one formula, and the pick on the batch host.
+
+:func:`job_port` is the only port formula of the package: ``PORT_BASE + (job + step *
+PORT_SPAN / STEPS_PER_JOB) % PORT_SPAN``. The sbatch templates (through :mod:`cyclone_kit.render`,
+which passes :data:`PORT_BASE` and :data:`PORT_SPAN` to them) start from the job's step-0 port;
+the runtime (:func:`cyclone_kit.runtime.env.detect`, when MASTER_PORT is not set) takes the
+port of its own step, so concurrent steps of one job differ as well.
 
 The sbatch templates run ``python -m cyclone_kit.ports BASE SPAN JOB_ID`` on the first node of
 the allocation (where Slurm runs the batch script, and where rank 0 and the rendezvous server
@@ -13,10 +19,35 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 
+#: MASTER_PORT range: [PORT_BASE, PORT_BASE + PORT_SPAN), below Linux's ephemeral ports (32768+).
+PORT_BASE = 15000
+PORT_SPAN = 16000
+#: Distinct ports a job id leaves for its steps in :func:`job_port`.
+STEPS_PER_JOB = 16
+
+
+def job_port(job_id: str | int | None, step_id: str | int | None = None, *, base: int = PORT_BASE,
+             span: int = PORT_SPAN) -> int:
+    """The rendezvous port of a job step: ``base + (job + step * span // 16) % span`` (pure).
+
+    Step 0 (and a missing step) gives ``base + job % span``, the port the batch script tries
+    first. Distinct for any two (job, step) pairs whose job ids differ by less than
+    ``span / 16`` (1000) and whose steps are below 16. Non-numeric or missing ids count as 0.
+    """
+    job = _int_or_zero(job_id)
+    step = _int_or_zero(step_id) % STEPS_PER_JOB
+    return base + (job + step * (span // STEPS_PER_JOB)) % span
+
+
+def _int_or_zero(value: str | int | None) -> int:
+    if isinstance(value, int):
+        return max(value, 0)
+    return int(value) if value and value.strip().isdigit() else 0
+
 
 def candidate_ports(base: int, span: int, job_id: int) -> Iterator[int]:
     """The job's own port first, then the rest of the range in order, wrapping around (pure)."""
-    first = job_id % span
+    first = job_port(job_id, 0, base=base, span=span) - base
     for k in range(span):
         yield base + (first + k) % span
 
@@ -33,7 +64,7 @@ def can_bind(port: int) -> bool:
 
 def pick_port(base: int, span: int, job_id: int, free: Callable[[int], bool] = can_bind) -> int:
     """The first free port of :func:`candidate_ports`; the job's own port when none is free."""
-    return next((p for p in candidate_ports(base, span, job_id) if free(p)), base + job_id % span)
+    return next((p for p in candidate_ports(base, span, job_id) if free(p)), job_port(job_id, 0, base=base, span=span))
 
 
 def main(argv: list[str] | None = None) -> int:

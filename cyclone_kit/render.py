@@ -13,7 +13,7 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,10 @@ from typing import Any
 from cyclone_kit import __version__
 from cyclone_kit.errors import ValidationError
 from cyclone_kit.malloc import GLIBC_TUNABLES
+from cyclone_kit.ports import PORT_BASE, PORT_SPAN  # the templates' MASTER_PORT range (cyclone_kit.ports)
+from cyclone_kit.rundir import RunDir, StudyDir
 from cyclone_kit.validate import ResolvedJob
 
-#: MASTER_PORT: PORT_BASE + job id % PORT_SPAN when free on the batch host, else the next free one in the range
-#: (cyclone_kit/ports.py); the range stays below Linux's ephemeral ports (32768+).
-PORT_BASE = 15000
-PORT_SPAN = 16000
 _SAFE_HEADER = re.compile(r"^[A-Za-z0-9_./:@%+,=-]+$")
 
 
@@ -132,7 +130,7 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "setup": list(prof.setup),
         "python": python or prof.python or sys.executable,
         "run_dir": run_dir,
-        "log_dir": f"{run_dir}/logs",
+        "log_dir": str(RunDir(run_dir).logs),
         "port_base": PORT_BASE,
         "glibc_tunables": GLIBC_TUNABLES,
         "port_span": PORT_SPAN,
@@ -173,12 +171,52 @@ def render_script(
     ``template`` picks another template (``doctor.sbatch.j2``); ``extra`` adds the values only
     that template uses to :func:`script_context`.
     """
+    name = template or f"{job.spec.resources.launcher}.sbatch.j2"
+    return _render(name, {**script_context(job, run_dir, python), **(extra or {})}, environ)
+
+
+
+def report_context(study_dir: Path | str, job: ResolvedJob, after: Sequence[str] = (), *,
+                   python: str | None = None, name: str = "report") -> dict[str, Any]:
+    """The values of a study's report job (pure): one core of the profile's default partition, no GPU.
+
+    Raises:
+        ValidationError: an id in ``after`` is not a Slurm job id.
+    """
+    for job_id in after:
+        if not str(job_id).replace("_", "").isdigit():
+            raise ValidationError(f"job id {job_id!r} is not a Slurm job id", hint="pass the ids sbatch printed")
+    study = str(study_dir)
+    prof = job.profile
+    return {
+        **script_context(job, study, python),
+        "launcher": "report", "name": name, "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 1,
+        "gpus_per_node": 0, "time": "00:15:00", "partition": prof.default_partition.name, "mem": "",
+        "exclusive": False, "signal": "", "requeue": False, "extra_sbatch": list(prof.extra_sbatch),
+        "log_dir": str(StudyDir(study).logs), "log_stem": "report",
+        "dependency": f"afterany:{':'.join(str(i) for i in after)}" if after else "",
+        "study_dir": study, "report_dir": str(StudyDir(study).report),
+    }
+
+
+def render_report_script(study_dir: Path | str, job: ResolvedJob, after: Sequence[str] = (), *,
+                         python: str | None = None, name: str = "report",
+                         environ: Mapping[str, str] | None = None) -> str:
+    """The sbatch script of a study's report job, from ``report.sbatch.j2`` (extends ``base.sbatch.j2``).
+
+    It waits for every job in ``after`` (``--dependency=afterany:...``, so failed points are
+    reported as incomplete rather than blocking the report), then runs
+    ``python -m cyclone_kit report STUDY -o STUDY/report``.
+    """
+    return _render("report.sbatch.j2", report_context(study_dir, job, after, python=python, name=name), environ)
+
+
+def _render(name: str, context: Mapping[str, Any], environ: Mapping[str, str] | None) -> str:
     from jinja2 import TemplateError, TemplateNotFound
 
     env = _environment(tuple(str(d) for d in template_dirs(environ)))
-    name = template or f"{job.spec.resources.launcher}.sbatch.j2"
     try:
-        return env.get_template(name).render({**script_context(job, run_dir, python), **(extra or {})})
+        return env.get_template(name).render(context)
     except TemplateNotFound as e:
         raise ValidationError(f"template {e.name!r} not found", hint=f"search path: {template_dirs(environ)}") from None
     except TemplateError as e:

@@ -1,4 +1,23 @@
-"""Run directories: created whole or not at all.
+"""The run directory: its layout, created whole or not at all, and the facts it records.
+
+This module is the one owner of the run directory's file names (the metrics files are named by
+the metrics contract, :mod:`cyclone_kit.contract`; the failure record's content by
+:mod:`cyclone_kit.failures`). Everyone else asks a :class:`RunDir` for a path or a fact::
+
+    RUN_DIR/
+      spec.json           the resolved job spec (RunDir.spec; read_spec / write_spec)
+      job.sbatch          the rendered batch script (RunDir.script; write_script)
+      job_id, backend     written once submitted (write_submission; job_id / backend)
+      launch.json         the local launcher's record of its ranks (RunDir.launch)
+      failure.json        the root cause of a failed run (RunDir.failure; cyclone_kit.failures)
+      metrics.jsonl       the metrics contract (RunDir.metrics; cyclone_kit.contract)
+      ranks/              rank-NNNNN.json summaries and error-rank-NNNNN.json error records
+      logs/               scheduler and per-rank logs (rank-N.out / rank-N.err)
+      checkpoints/        checkpoints (cyclone_kit.runtime.checkpoint)
+      submitit/           submitit's own folder; submitit_job holds its job id
+
+    STUDY_DIR/            a sweep (StudyDir): sweep.json, submitted.json, report.sbatch, logs/,
+      <point>/            and one run directory per point
 
 A run directory is assembled under a hidden temporary name next to its final place and
 renamed into place in one step; renaming onto an existing, non-empty directory fails, so two
@@ -7,34 +26,300 @@ renamed into place in one step; renaming onto an existing, non-empty directory f
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from cyclone_kit import contract
 from cyclone_kit.errors import ValidationError
+from cyclone_kit.fileio import read_json, write_atomic
+
+__all__ = [
+    "RunDir", "RunRecord", "StudyDir", "create_run_dir", "find_runs", "is_run_dir", "last_end_status", "read_run",
+    "remove_run_dir", "run_dir_name", "write_atomic",
+]
+
+SPEC_FILE = "spec.json"
+SCRIPT_FILE = "job.sbatch"
+JOB_ID_FILE = "job_id"
+BACKEND_FILE = "backend"
+LAUNCH_FILE = "launch.json"
+FAILURE_FILE = "failure.json"
+LOGS_DIR = "logs"
+CHECKPOINTS_DIR = "checkpoints"
+SUBMITIT_DIR = "submitit"
+SUBMITIT_JOB_FILE = "submitit_job"
+SWEEP_FILE = "sweep.json"
+SUBMITTED_FILE = "submitted.json"
+REPORT_SCRIPT_FILE = "report.sbatch"
+REPORT_DIR = "report"
+USER_SCRIPT_DIR = "script"  # the copy of a user's training script (cyclone_kit/script.py)
+SHIM_FILE = "shim.jsonl"  # the launch shim's start/end records (cyclone_kit/launch.py)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run directory's named paths and the reads and writes of what it records.
+
+    Attributes:
+        path: the directory (it need not exist yet).
+    """
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    # ------------------------------------------------------------------ named paths
+    @property
+    def spec(self) -> Path:
+        """``spec.json``: the resolved job spec."""
+        return self.path / SPEC_FILE
+
+    @property
+    def script(self) -> Path:
+        """``job.sbatch``: the rendered batch script."""
+        return self.path / SCRIPT_FILE
+
+    @property
+    def job_id_file(self) -> Path:
+        """``job_id``: the scheduler's job id, once submitted."""
+        return self.path / JOB_ID_FILE
+
+    @property
+    def backend_file(self) -> Path:
+        """``backend``: the name of the backend that ran the job."""
+        return self.path / BACKEND_FILE
+
+    @property
+    def launch(self) -> Path:
+        """``launch.json``: the local launcher's record of its ranks."""
+        return self.path / LAUNCH_FILE
+
+    @property
+    def failure(self) -> Path:
+        """``failure.json``: the failure record (schema: :mod:`cyclone_kit.failures`)."""
+        return self.path / FAILURE_FILE
+
+    @property
+    def metrics(self) -> Path:
+        """``metrics.jsonl``: the metrics contract (:mod:`cyclone_kit.contract`)."""
+        return self.path / contract.METRICS_FILE
+
+    @property
+    def logs(self) -> Path:
+        """``logs/``: scheduler and per-rank logs."""
+        return self.path / LOGS_DIR
+
+    @property
+    def ranks(self) -> Path:
+        """``ranks/``: per-rank summaries and error records."""
+        return self.path / contract.RANKS_DIR
+
+    @property
+    def checkpoints(self) -> Path:
+        """``checkpoints/``."""
+        return self.path / CHECKPOINTS_DIR
+
+    @property
+    def submitit(self) -> Path:
+        """``submitit/``: submitit's own folder (pickles and its logs)."""
+        return self.path / SUBMITIT_DIR
+
+    @property
+    def submitit_job_file(self) -> Path:
+        """``submitit_job``: the job id submitit gave, written as soon as it is known."""
+        return self.path / SUBMITIT_JOB_FILE
+
+    @property
+    def shim(self) -> Path:
+        """``shim.jsonl``: rank 0's launch-shim start/end records of a user script (one pair a segment)."""
+        return self.path / SHIM_FILE
+
+    def user_script_copy(self, name: str) -> Path:
+        """``script/<name>``: the copy of the user's training script taken at submission."""
+        return self.path / USER_SCRIPT_DIR / name
+
+    def rank_log(self, rank: int, stream: str = "out") -> Path:
+        """``logs/rank-N.out`` (``stream="err"``: ``.err``) of the local launcher."""
+        return self.logs / f"rank-{rank}.{stream}"
+
+    def rank_summary(self, rank: int) -> Path:
+        """``ranks/rank-NNNNN.json``: a rank's summary (metrics contract)."""
+        return self.ranks / contract.rank_summary_name(rank)
+
+    def rank_summaries(self) -> list[Path]:
+        """Every rank summary, in rank order."""
+        return sorted(self.ranks.glob(contract.RANK_SUMMARY_GLOB))
+
+    def error_record(self, rank: int) -> Path:
+        """``ranks/error-rank-NNNNN.json``: a rank's own error record (:mod:`cyclone_kit.failures`)."""
+        return self.ranks / f"error-rank-{rank:05d}.json"
+
+    def error_records(self) -> list[Path]:
+        """Every rank's error record, in rank order."""
+        return sorted(self.ranks.glob("error-rank-*.json"))
+
+    # ------------------------------------------------------------------ reads and writes
+    def is_run_dir(self) -> bool:
+        """A run directory holds the resolved ``spec.json``."""
+        return self.spec.is_file()
+
+    def read_spec(self) -> dict[str, Any]:
+        """The decoded ``spec.json`` ({} when missing or unreadable)."""
+        data = read_json(self.spec)
+        return data if isinstance(data, dict) else {}
+
+    def write_spec(self, text: str) -> None:
+        """Replace ``spec.json`` atomically."""
+        write_atomic(self.spec, text)
+
+    def write_script(self, text: str) -> None:
+        """Write ``job.sbatch`` atomically, executable."""
+        write_atomic(self.script, text)
+        self.script.chmod(0o755)
+
+    def set_threads(self, threads: int) -> None:
+        """Record the threads each rank really gets in ``spec.json`` (``resources.cpus_per_task``)."""
+        data = read_json(self.spec)
+        if not isinstance(data, dict):
+            return
+        resources = data.get("resources")
+        if isinstance(resources, dict) and resources.get("cpus_per_task") != threads:
+            data["resources"] = {**resources, "cpus_per_task": threads}
+            write_atomic(self.spec, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def job_id(self) -> str | None:
+        """The recorded job id (None before submission)."""
+        return _read_line(self.job_id_file)
+
+    def backend(self) -> str | None:
+        """The name of the backend recorded at submission (None before)."""
+        return _read_line(self.backend_file)
+
+    def submitit_job_id(self) -> str | None:
+        """The job id submitit gave (None before it is known)."""
+        return _read_line(self.submitit_job_file)
+
+    def write_job_id(self, job_id: str) -> None:
+        """Record the job id."""
+        write_atomic(self.job_id_file, f"{job_id}\n")
+
+    def write_backend(self, backend: str) -> None:
+        """Record the backend's name."""
+        write_atomic(self.backend_file, f"{backend}\n")
+
+    def write_submission(self, job_id: str, backend: str) -> None:
+        """Record the job id and the backend of a submitted run."""
+        self.write_job_id(job_id)
+        self.write_backend(backend)
+
+    def write_submitit_job_id(self, job_id: str) -> None:
+        """Record the job id submitit gave."""
+        write_atomic(self.submitit_job_file, f"{job_id}\n")
+
+    def write_launch(self, doc: Mapping[str, Any]) -> None:
+        """Write ``launch.json``."""
+        write_atomic(self.launch, json.dumps(doc, indent=2) + "\n")
+
+    def read_launch(self) -> dict[str, Any] | None:
+        """The decoded ``launch.json`` (None when missing)."""
+        data = read_json(self.launch)
+        return data if isinstance(data, dict) else None
+
+    def end_status(self) -> str | None:
+        """The status of the last ``end`` record in ``metrics.jsonl`` (None if there is none)."""
+        return last_end_status(self.metrics)
+
+    def root_cause(self) -> str | None:
+        """The first failure of the run as one line, or None (see :func:`cyclone_kit.failures.root_cause`)."""
+        from cyclone_kit.failures import root_cause
+
+        return root_cause(self.path)
+
+    def read(self) -> RunRecord:
+        """The facts this run directory holds (see :func:`read_run`)."""
+        return read_run(self.path)
+
+    @classmethod
+    def create(cls, runs_dir: Path, name: str, spec_text: str, files: Mapping[str, str | bytes] | None = None,
+               when: float | None = None) -> RunDir:
+        """Create ``runs_dir/<name>-<stamp>[-k]/`` holding ``spec.json`` (and ``files``), all or nothing."""
+        return cls(create_run_dir(runs_dir, name, {SPEC_FILE: spec_text, **(files or {})}, when))
+
+
+@dataclass(frozen=True)
+class StudyDir:
+    """A study (sweep) directory: ``sweep.json``, ``submitted.json``, ``report.sbatch``, one run dir per point."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def sweep(self) -> Path:
+        """``sweep.json``: the study record the analysis reads."""
+        return self.path / SWEEP_FILE
+
+    @property
+    def submitted(self) -> Path:
+        """``submitted.json``: the job id (and outcome) of every point."""
+        return self.path / SUBMITTED_FILE
+
+    @property
+    def report_script(self) -> Path:
+        """``report.sbatch``: the report job."""
+        return self.path / REPORT_SCRIPT_FILE
+
+    @property
+    def report(self) -> Path:
+        """``report/``: where the report job writes."""
+        return self.path / REPORT_DIR
+
+    @property
+    def logs(self) -> Path:
+        """``logs/``: the report job's logs."""
+        return self.path / LOGS_DIR
+
+    def run(self, name: str) -> RunDir:
+        """The run directory of the point ``name``."""
+        return RunDir(self.path / name)
+
+
+def sweep_file_of(directory: Path) -> Path:
+    """``directory/sweep.json`` (for the analysis' search upwards)."""
+    return Path(directory) / SWEEP_FILE
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The facts a run directory holds about its run."""
+
+    path: Path
+    name: str
+    job_id: str | None
+    backend: str | None
+    end_status: str | None
+    root_cause: str | None
+
+
+def _read_line(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
 
 
 def run_dir_name(name: str, when: float | None = None) -> str:
     """``<name>-<YYYYmmdd-HHMMSS>`` in UTC (pure given ``when``)."""
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(time.time() if when is None else when))}"
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write a file via temp file + fsync + rename, so readers never see half of it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def create_run_dir(runs_dir: Path, name: str, files: Mapping[str, str | bytes], when: float | None = None) -> Path:
@@ -53,7 +338,7 @@ def create_run_dir(runs_dir: Path, name: str, files: Mapping[str, str | bytes], 
             hint="pass --runs-dir with a writable directory",
         ) from None
     try:
-        (tmp / "logs").mkdir()
+        (tmp / LOGS_DIR).mkdir()
         for rel, data in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             write_atomic(tmp / rel, data)
@@ -76,3 +361,48 @@ def create_run_dir(runs_dir: Path, name: str, files: Mapping[str, str | bytes], 
 def remove_run_dir(path: Path) -> None:
     """Remove a run directory that never got going (submission failed)."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run directory holds the resolved ``spec.json``."""
+    return RunDir(path).is_run_dir()
+
+
+def last_end_status(metrics: Path) -> str | None:
+    """The status of the last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
+    status = None
+    try:
+        lines = Path(metrics).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == "end":
+            status = str(rec.get("status"))
+    return status
+
+
+def read_run(run_dir: Path) -> RunRecord:
+    """Read a run directory, or raise a ValidationError naming what is missing."""
+    rd = RunDir(run_dir)
+    if not rd.path.is_dir():
+        raise ValidationError(f"run directory {str(rd.path)!r} does not exist", hint="give a path under runs/ or a job id")
+    if not rd.is_run_dir():
+        raise ValidationError(f"{str(rd.path)!r} is not a run directory (no {SPEC_FILE})",
+                              hint="give a directory created by cyclone-kit submit or run")
+    return RunRecord(rd.path, str(rd.read_spec().get("name", rd.path.name)), rd.job_id(), rd.backend(),
+                     rd.end_status(), rd.root_cause())
+
+
+def find_runs(runs_dir: Path) -> list[Path]:
+    """Run directories directly below ``runs_dir`` (and one level into studies), newest first."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    found = [p for p in runs_dir.iterdir() if p.is_dir() and is_run_dir(p)]
+    found += [p for study in runs_dir.iterdir() if study.is_dir() and not is_run_dir(study)
+              for p in study.iterdir() if p.is_dir() and is_run_dir(p)]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)

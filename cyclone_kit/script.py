@@ -21,9 +21,7 @@ from pathlib import Path
 
 from cyclone_kit.config import ScriptConfig
 from cyclone_kit.errors import ValidationError
-
-#: Folder of the run directory holding the copy of the script.
-COPY_DIR = "script"
+from cyclone_kit.rundir import USER_SCRIPT_DIR as COPY_DIR  # the run directory's layout is RunDir's
 
 
 @dataclasses.dataclass(frozen=True)

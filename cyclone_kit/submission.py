@@ -7,7 +7,7 @@ from pathlib import Path
 from cyclone_kit.backends import get_backend
 from cyclone_kit.errors import RankFailure
 from cyclone_kit.render import render_script
-from cyclone_kit.rundir import create_run_dir, remove_run_dir, run_dir_name, write_atomic
+from cyclone_kit.rundir import RunDir, remove_run_dir, run_dir_name
 from cyclone_kit.validate import ResolvedJob
 
 
@@ -19,28 +19,27 @@ def prepare_run_dir(job: ResolvedJob, runs_dir: Path, extra_files: dict[str, str
     # Render first against a placeholder so a bad value fails before anything is created,
     # then render for real once the final directory name is known.
     render_script(job, runs_dir / run_dir_name(job.spec.name))
-    run_dir = create_run_dir(runs_dir, job.spec.name, {"spec.json": spec_json(job), **script_files(job.spec),
-                                                      **(extra_files or {})})
+    rd = RunDir.create(runs_dir, job.spec.name, spec_json(job), {**script_files(job.spec), **(extra_files or {})})
     try:
-        write_atomic(run_dir / "job.sbatch", render_script(job, run_dir))
-        (run_dir / "job.sbatch").chmod(0o755)
+        rd.write_script(render_script(job, rd.path))
     except BaseException:
-        remove_run_dir(run_dir)
+        remove_run_dir(rd.path)
         raise
-    return run_dir
+    return rd.path
 
 
 def submit_job(job: ResolvedJob, runs_dir: Path, backend: str = "slurm") -> tuple[Path, str]:
-    """Prepare a run directory and submit it; on failure the directory is removed again."""
+    """Prepare a run directory and submit it; on failure the directory is removed again.
+
+    The backend records the job id and its own name in the run directory.
+    """
     chosen = get_backend(backend)
     run_dir = prepare_run_dir(job, runs_dir)
     try:
-        job_id = str(chosen.submit_run(job, run_dir))
-        write_atomic(run_dir / "job_id", job_id + "\n")
-        write_atomic(run_dir / "backend", backend + "\n")
+        handle = chosen.submit_run(job, run_dir)
     except RankFailure:
         raise  # the run happened (local backend): keep its logs and failure.json
     except BaseException:
         remove_run_dir(run_dir)
         raise
-    return run_dir, job_id
+    return run_dir, handle.job_id

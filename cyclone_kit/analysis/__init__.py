@@ -10,8 +10,11 @@ Typical use::
     fits = fit_scaling_laws(table)               # Amdahl (strong) / Gustafson (weak)
     plots.speedup_figure(table, fits)            # a matplotlib Figure
 
-``write_report`` (the ``report`` command) writes everything to a directory. Importing this
-package imports pandas and numpy; matplotlib is imported only by ``plots`` and ``report``.
+``write_report`` (the ``report`` command) writes everything to a directory. What a report may
+state is decided in :mod:`cyclone_kit.analysis.honesty` (``review(runs, steps, table, fits)``),
+what scaling costs in :mod:`cyclone_kit.analysis.cost`; the notebook finds studies with
+:mod:`cyclone_kit.analysis.locate`. Importing this package imports pandas and numpy;
+matplotlib is imported only by ``plots`` and ``report``.
 """
 
 from __future__ import annotations

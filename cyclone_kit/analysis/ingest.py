@@ -1,7 +1,8 @@
 """Find ``metrics.jsonl`` files and read them into pandas tables.
 
 The training runtime writes one JSON object a line (``kind`` + ``schema``: 1): ``start``,
-``step``, ``epoch`` and ``end`` records. A requeued run appends another ``start ... end``
+``step``, ``epoch`` and ``end`` records, as :mod:`cyclone_kit.contract` defines them (file
+names, field names and schema version come from there). A requeued run appends another ``start ... end``
 segment to the same file. This module turns those files into:
 
 * a **runs** table: one row per run (per ``metrics.jsonl``), with the setup from its ``start``
@@ -36,14 +37,17 @@ from typing import Any
 
 import pandas as pd
 
+from cyclone_kit import contract
 from cyclone_kit.errors import ValidationError
+from cyclone_kit.rundir import SWEEP_FILE, RunDir
 
-METRICS_FILENAME = "metrics.jsonl"
-SWEEP_FILENAME = "sweep.json"
-SCHEMA_VERSION = 1
+#: The contract's names (:mod:`cyclone_kit.contract`), under the names this module always used.
+METRICS_FILENAME = contract.METRICS_FILE
+SWEEP_FILENAME = SWEEP_FILE
+SCHEMA_VERSION = contract.SCHEMA
 
 #: Fields copied from each ``step`` record into the steps table.
-STEP_FIELDS = ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_per_s", "time")
+STEP_FIELDS = contract.STEP_FIELDS
 
 #: Columns of the runs table, in order.
 RUN_COLUMNS = (
@@ -431,10 +435,11 @@ class Ingested:
     Attributes:
         runs: one row per run (columns :data:`RUN_COLUMNS`).
         steps: every step record: ``run_dir``, ``segment`` and :data:`STEP_FIELDS`.
-        epochs: every epoch record: ``run_dir``, ``segment``, ``epoch``, ``val_accuracy``,
-            ``epoch_time_s``.
-        ranks: per-rank summaries: ``run_dir``, ``rank``, ``host``, ``device``,
-            ``samples_per_s``, ``peak_memory_bytes``.
+        epochs: every epoch record: ``run_dir``, ``segment`` and the contract's ``EPOCH_FIELDS``
+            (``epoch``, ``val_accuracy``, ``epoch_time_s``, ``time``).
+        ranks: per-rank summaries: ``run_dir`` and the contract's ``RANK_SUMMARY_FIELDS`` (``rank``,
+            ``host``, ``device``, ``samples_per_s``, ``peak_memory_bytes``) and
+            ``RANK_SUMMARY_OPTIONAL_FIELDS`` (``energy_j``: NVML, GPU runs only; empty elsewhere).
         warnings: one line per problem found (also emitted as :class:`MetricsWarning`).
     """
 
@@ -519,7 +524,7 @@ def _load_sweep(directory: Path, cache: dict[Path, SweepInfo | None], notes: lis
 def _read_rank_files(run_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
     """Read ``run_dir/ranks/rank-*.json``; unreadable files become notes."""
     rows = []
-    for file in sorted((run_dir / "ranks").glob("rank-*.json")):
+    for file in RunDir(run_dir).rank_summaries():
         try:
             data = json.loads(file.read_text(encoding="utf-8"))
             if not isinstance(data, dict):
@@ -527,15 +532,10 @@ def _read_rank_files(run_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError) as exc:
             notes.append(f"{file}: ignored ({exc})")
             continue
-        rows.append(
-            {
-                "rank": _integer(data.get("rank")),
-                "host": data.get("host"),
-                "device": data.get("device"),
-                "samples_per_s": _number(data.get("samples_per_s")),
-                "peak_memory_bytes": _number(data.get("peak_memory_bytes")),
-            }
-        )
+        row = {name: data.get(name) for name in (*contract.RANK_SUMMARY_FIELDS, *contract.RANK_SUMMARY_OPTIONAL_FIELDS)}
+        row.update(rank=_integer(row["rank"]), samples_per_s=_number(row["samples_per_s"]),
+                   peak_memory_bytes=_number(row["peak_memory_bytes"]), energy_j=_number(row["energy_j"]))
+        rows.append(row)
     return rows
 
 
@@ -630,14 +630,13 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
         steps[column] = pd.to_numeric(steps[column], errors="coerce")
 
     epochs = pd.DataFrame(epoch_rows)
-    for column in ("run_dir", "segment", "epoch", "val_accuracy", "epoch_time_s"):
+    epoch_columns = ["run_dir", "segment", *contract.EPOCH_FIELDS]
+    for column in epoch_columns:
         if column not in epochs:
             epochs[column] = pd.Series(dtype=float)
-    epochs = epochs[["run_dir", "segment", "epoch", "val_accuracy", "epoch_time_s"]]
-    ranks = pd.DataFrame(
-        rank_rows,
-        columns=["run_dir", "rank", "host", "device", "samples_per_s", "peak_memory_bytes"],
-    )
+    epochs = epochs[epoch_columns]
+    ranks = pd.DataFrame(rank_rows, columns=["run_dir", *contract.RANK_SUMMARY_FIELDS,
+                                             *contract.RANK_SUMMARY_OPTIONAL_FIELDS])
     if warn:
         for note in notes:
             warnings.warn(note, MetricsWarning, stacklevel=2)

@@ -8,9 +8,13 @@ embedded as base64 PNG, no external resources).
 Baselines (``--baseline NAME=PATH``): PATH is a run directory, a study directory or a
 ``metrics.jsonl`` written by this tool on another platform (e.g. ``run SPEC --nproc 1`` on
 Colab or Kaggle), or a CSV of published rows with at least the columns ``name``, ``device``,
-``samples_per_s`` (optional: ``devices``, ``model``, ``dataset``, ``precision``, ``source``,
-``kind``). Each baseline's ``samples_per_s`` is the total throughput of its ``devices``
-(default 1); the report states, for every measured N, "N GPUs here = X times NAME".
+``samples_per_s`` (optional: ``devices``, ``model``, ``dataset``, ``precision``,
+``batch_per_device``, ``source``, ``kind``). Each baseline's ``samples_per_s`` is the total
+throughput of its ``devices`` (default 1); the report's tables state, for every measured N,
+"N GPUs here = X times NAME", and its summary gives a headline ratio only like for like.
+
+What the report may state (fits, Karp-Flatt, short measurements, baselines) is decided by
+:mod:`cyclone_kit.analysis.honesty`; what scaling costs by :mod:`cyclone_kit.analysis.cost`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import io
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,15 @@ from typing import Any
 import pandas as pd
 
 from cyclone_kit.analysis import plots
+from cyclone_kit.analysis.cost import cost_points, query_sacct, usage_table
+from cyclone_kit.analysis.honesty import (
+    MIN_MEASURED_S,
+    MIN_STEADY_WINDOWS,
+    BaselineVerdict,
+    FitVerdict,
+    Review,
+    review,
+)
 from cyclone_kit.analysis.ingest import Ingested, MetricsWarning, load_runs
 from cyclone_kit.analysis.scaling import (
     ScalingFit,
@@ -41,11 +54,12 @@ from cyclone_kit.errors import ValidationError
 
 #: Baseline table columns.
 BASELINE_COLUMNS = (
-    "name", "device", "devices", "samples_per_s", "model", "dataset", "precision", "kind", "source",
+    "name", "device", "devices", "samples_per_s", "model", "dataset", "precision", "batch_per_device", "kind",
+    "source",
 )
 
-#: Plot file stems written to OUT (each as .png and .svg).
-PLOT_STEMS = ("speedup", "efficiency", "throughput_per_device")
+#: Plot file stems written to OUT (each as .png at 300 dpi and .svg with editable text).
+PLOT_STEMS = ("speedup", "efficiency", "throughput_per_device", "cost")
 
 
 # ---------------------------------------------------------------- baselines
@@ -82,7 +96,7 @@ def _baselines_from_csv(name: str, path: Path) -> pd.DataFrame:
         raise ValidationError(
             f"baseline {name}: {path} lacks column(s) {', '.join(missing)}",
             hint="a baseline CSV needs the columns name,device,samples_per_s "
-            "(optional: devices,model,dataset,precision,source,kind)",
+            "(optional: devices,model,dataset,precision,batch_per_device,source,kind)",
         )
     frame = frame.copy()
     frame["samples_per_s"] = pd.to_numeric(frame["samples_per_s"], errors="coerce")
@@ -95,6 +109,7 @@ def _baselines_from_csv(name: str, path: Path) -> pd.DataFrame:
         if column not in frame.columns:
             frame[column] = pd.NA
     frame["devices"] = pd.to_numeric(frame["devices"], errors="coerce").fillna(1).astype(int)
+    frame["batch_per_device"] = pd.to_numeric(frame["batch_per_device"], errors="coerce").astype("Int64")
     frame["kind"] = frame["kind"].fillna("published")
     frame["source"] = frame["source"].fillna(str(path))
     return frame[list(BASELINE_COLUMNS)]
@@ -122,6 +137,7 @@ def _baselines_from_runs(name: str, path: Path) -> pd.DataFrame:
                 "model": first["model"],
                 "dataset": first["dataset"],
                 "precision": first["precision"],
+                "batch_per_device": first["per_device_batch_size"],
                 "kind": "measured",
                 "source": f"{path} ({len(smallest)} run(s), median)",
             }
@@ -209,11 +225,7 @@ def _pct(value: Any) -> str:
 
 def _unit(runs: pd.DataFrame, n: int) -> str:
     """'GPU(s)' / 'CPU process(es)' / 'device(s)' for a count, from the runs' devices."""
-    devices = set(runs["device"].dropna().astype(str)) if not runs.empty else set()
-    singular, plural = {
-        "cuda": ("GPU", "GPUs"),
-        "cpu": ("CPU process", "CPU processes"),
-    }.get(next(iter(devices)) if len(devices) == 1 else "", ("device", "devices"))
+    singular, plural = plots.units_of(runs)
     return singular if n == 1 else plural
 
 
@@ -258,14 +270,16 @@ def _setup_table(runs: pd.DataFrame) -> Table:
     return Table(("setting", "value"), tuple((k, v or "-") for k, v in rows))
 
 
-def _scaling_rows(table: pd.DataFrame) -> Table:
-    """The scaling table of one study, formatted."""
+def _scaling_rows(table: pd.DataFrame, checks: Review) -> Table:
+    """The scaling table of one study, formatted, with the honesty notes of each point."""
     header = (
         "N", "nodes", "per-device batch", "global batch", "runs", "samples/s (median)",
         "min - max", "samples/s per device", "speed-up", "efficiency", "Karp-Flatt e",
+        "device-h / 1M samples", "notes",
     )
     rows = []
     for _, row in table.iterrows():
+        notes = checks.notes(str(row["study"]), str(row["strategy"]), int(row["world_size"]))
         rows.append(
             (
                 str(int(row["world_size"])),
@@ -279,35 +293,51 @@ def _scaling_rows(table: pd.DataFrame) -> Table:
                 f"{float(row['speedup']):.2f}",
                 _pct(row["efficiency"]),
                 "" if pd.isna(row["karp_flatt"]) else f"{float(row['karp_flatt']):.4f}",
+                _hours(row["device_hours_per_1m_samples"]),
+                "; ".join(notes),
             )
         )
     return Table(header, tuple(rows))
 
 
-def _fit_text(fit: ScalingFit, largest: int, unit_runs: pd.DataFrame) -> str:
-    """One sentence describing a fitted law and its extrapolation."""
-    targets = [2 * largest, 4 * largest]
-    predicted = fit.predict(targets)
+def _hours(value: Any) -> str:
+    """Device-hours with 3 significant digits (small values keep their digits)."""
+    return "" if value is None or pd.isna(value) else f"{float(value):.3g}"
+
+
+def _fit_text(fit: ScalingFit, verdict: FitVerdict | None, unit_runs: pd.DataFrame) -> str:
+    """One paragraph on a fitted law: its prediction inside the horizon, or why there is none."""
+    law = fit.law.capitalize()
+    if verdict is not None and not verdict.meaningful:
+        return (f"No meaningful {law} fit (strategy {fit.strategy}): {verdict.reason}. "
+                "No serial fraction or prediction is given.")
+    largest = verdict.largest if verdict is not None else fit.base_world_size
+    targets = verdict.targets() if verdict is not None else ()
+    predicted = fit.predict(list(targets)) if targets else []
     parts = [
-        f"at {n} {_unit(unit_runs, n)}: speed-up {s:.2f} (efficiency {100 * s * fit.base_world_size / n:.0f} %)"
+        f"at {n} {_unit(unit_runs, n)}: speed-up {s:.2f} (efficiency {100 * s * fit.base_world_size / n:.0f} %, "
+        f"cost {n / fit.base_world_size / s:.2f}x the {_unit(unit_runs, 1)}-hours per sample of N0)"
         for n, s in zip(targets, predicted, strict=True)
     ]
-    return (
-        f"{fit.law.capitalize()} fit (strategy {fit.strategy}): serial fraction s = "
-        f"{fit.serial_fraction:.4f}, RMSE {fit.rmse:.3f} over {fit.points} points. "
-        f"Predicted {'; '.join(parts)}. These are extrapolations, not measurements."
-    )
+    text = (f"{law} fit (strategy {fit.strategy}): serial fraction s = {fit.serial_fraction:.4f}, "
+            f"RMSE {fit.rmse:.3f} over {fit.points} points.")
+    if verdict is not None and verdict.reason:
+        text += f" Caveat: {verdict.reason}."
+    if parts:
+        text += f" Predicted {'; '.join(parts)}. These are extrapolations, not measurements."
+    skipped = [f * largest for f in (2, 4) if f * largest not in targets]
+    if skipped:
+        horizon = verdict.horizon if verdict is not None else largest
+        text += (f" No prediction at N = {', '.join(str(n) for n in skipped)}: beyond the extrapolation horizon "
+                 f"N = {horizon} (no more doublings than were measured).")
+    return text
 
 
-def _baseline_note(base: pd.Series, runs: pd.DataFrame) -> str:
-    """Warn when a baseline ran another model or dataset than the study."""
-    notes = []
-    for column in ("model", "dataset", "precision"):
-        theirs = base.get(column)
-        ours = {str(v).lower() for v in runs[column].dropna()}
-        if theirs is not None and pd.notna(theirs) and ours and str(theirs).lower() not in ours:
-            notes.append(f"{column} {theirs} vs {', '.join(sorted(ours))}")
-    return f" (not like for like: {'; '.join(notes)})" if notes else ""
+def _differences(verdict: BaselineVerdict | None) -> str:
+    """', differs: ...' for a baseline comparison, or ''."""
+    if verdict is None or not verdict.differences:
+        return ""
+    return f"; differs: {'; '.join(verdict.differences)}"
 
 
 def report_blocks(
@@ -319,8 +349,11 @@ def report_blocks(
     title: str = "Scaling report",
     generated: str = "",
     plots_written: bool = True,
+    checks: Review | None = None,
+    usage: pd.DataFrame | None = None,
+    accounting_note: str = "",
 ) -> list[Block]:
-    """Build the report content (pure): setup, table, plots, fits, baselines, problems.
+    """Build the report content (pure): setup, table, plots, fits, cost, baselines, problems.
 
     Args:
         data: the ingested runs.
@@ -330,11 +363,19 @@ def report_blocks(
         title: the report title.
         generated: a timestamp line, or empty.
         plots_written: whether the plot files exist (False when there is no complete run).
+        checks: the honesty review (:func:`cyclone_kit.analysis.honesty.review`); computed when None.
+        usage: device-hours and energy per run (:func:`cyclone_kit.analysis.cost.usage_table`);
+            computed from the records when None.
+        accounting_note: why sacct gave nothing ("" when it did or was not asked).
 
     Returns:
         The blocks, in order, for :func:`render_markdown` and :func:`render_html`.
     """
     runs = data.runs
+    if checks is None:
+        checks = review(runs, data.steps, table, fits, baselines)
+    if usage is None:
+        usage = usage_table(runs, data.ranks)
     blocks: list[Block] = [Heading(1, title)]
     studies = list(dict.fromkeys(runs["study"]))
     intro = (
@@ -343,7 +384,7 @@ def report_blocks(
     )
     blocks.append(Paragraph(intro + (f" Generated {generated}." if generated else "")))
 
-    # Headline comparisons first: what a reader of a proposal looks for.
+    # Headline comparisons first: what a reader of a proposal looks for, and only what holds.
     headline: list[str] = []
     comparisons = compare_to_baselines(table, baselines) if not baselines.empty else pd.DataFrame()
     for (study, strategy), group in table.groupby(["study", "strategy"], sort=False):
@@ -352,25 +393,48 @@ def report_blocks(
         n = int(top["world_size"])
         base = group.loc[group["world_size"].idxmin()]
         if n != int(base["world_size"]):
+            speedup = float(top["speedup"])
+            caveats = []
+            if speedup < 1:
+                caveats.append("slower than the baseline, not faster")
+            if "measured too briefly" in checks.notes(str(study), str(strategy), n):
+                caveats.append("measured too briefly to trust")
             headline.append(
-                f"{study} ({strategy}): {n} {_unit(study_runs, n)} here = {float(top['speedup']):.2f} times "
+                f"{study} ({strategy}): {n} {_unit(study_runs, n)} here = {speedup:.2f} times "
                 f"the {int(base['world_size'])}-{_unit(study_runs, 1)} baseline of this study "
-                f"(efficiency {_pct(top['efficiency'])})."
+                f"(efficiency {_pct(top['efficiency'])})"
+                + (f": {'; '.join(caveats)}." if caveats else ".")
             )
         if not comparisons.empty:
             mine = comparisons[
                 (comparisons["study"] == study) & (comparisons["strategy"] == strategy)
                 & (comparisons["world_size"] == n)
             ]
+            refused = []
             for _, row in mine.iterrows():
                 base_row = baselines[baselines["name"] == row["baseline"]].iloc[0]
+                verdict = checks.baseline(str(row["baseline"]), str(study), str(strategy))
+                who = f"{row['baseline']} ({row['baseline_device']}, {int(base_row['devices'])} device(s))"
+                if verdict is not None and not verdict.like_for_like:
+                    refused.append(str(row["baseline"]))
+                else:
+                    headline.append(
+                        f"{study} ({strategy}): {n} {_unit(study_runs, n)} here = {row['times']:.2f} times "
+                        f"{who}{_differences(verdict)}."
+                    )
+            if refused:
                 headline.append(
-                    f"{study} ({strategy}): {n} {_unit(study_runs, n)} here = {row['times']:.2f} times "
-                    f"{row['baseline']} ({row['baseline_device']}, {int(base_row['devices'])} device(s))"
-                    f"{_baseline_note(base_row, study_runs)}."
+                    f"{study} ({strategy}): no headline ratio against {', '.join(refused)}: not like for like "
+                    "(what differs: Warnings; the raw ratios: Baselines)."
                 )
     if headline:
         blocks += [Heading(2, "Summary"), Bullets(tuple(headline))]
+    if checks.warnings:
+        blocks += [
+            Heading(2, "Warnings"),
+            Paragraph("What the numbers below cannot support (the rules are in cyclone_kit.analysis.honesty):"),
+            Bullets(checks.warnings),
+        ]
 
     for study in studies:
         study_runs = runs[runs["study"] == study]
@@ -380,7 +444,7 @@ def report_blocks(
         blocks.append(Paragraph(f"Mode: {modes} scaling. Baseline N0 = the smallest world size measured."))
         blocks += [Heading(3, "Setup"), _setup_table(study_runs)]
         for strategy, group in study_table.groupby("strategy", sort=False):
-            blocks += [Heading(3, f"Scaling table ({strategy})"), _scaling_rows(group)]
+            blocks += [Heading(3, f"Scaling table ({strategy})"), _scaling_rows(group, checks)]
             if strategy == "time-to-solution":  # a user script without ck.log_step (cyclone_kit/launch.py)
                 blocks.append(Paragraph(
                     "Time to solution: the script logged no steps, so its throughput is solutions per second "
@@ -388,15 +452,18 @@ def report_blocks(
                     "same work. Add ck.log_step for samples/s."))
             fit = next((f for f in fits if f.study == study and f.strategy == strategy), None)
             if fit is not None:
-                blocks.append(Paragraph(_fit_text(fit, int(group["world_size"].max()), study_runs)))
+                blocks.append(Paragraph(_fit_text(fit, checks.fit(str(study), str(strategy)), study_runs)))
         if study_table.empty:
             blocks.append(Paragraph("No complete run in this study: nothing to tabulate."))
+
+    blocks += _cost_blocks(data, table, fits, checks, usage, accounting_note)
 
     if plots_written:
         blocks.append(Heading(2, "Plots"))
         blocks.append(Image("speedup", "Speed-up vs world size, ideal line and fitted-law prediction"))
         blocks.append(Image("efficiency", "Parallel efficiency vs world size"))
         blocks.append(Image("throughput_per_device", "Throughput per device vs world size"))
+        blocks.append(Image("cost", "Speed-up against relative cost (device-hours per sample vs N0)"))
 
     blocks.append(Heading(2, "Baselines"))
     study_lines = []
@@ -420,13 +487,14 @@ def report_blocks(
     else:
         blocks.append(Table(
             ("baseline", "device", "devices", "samples/s", "samples/s per device", "model", "precision",
-             "kind", "source"),
+             "batch per device", "kind", "source"),
             tuple(
                 (
                     str(b["name"]), str(b["device"]), str(int(b["devices"])), _fmt(b["samples_per_s"]),
                     _fmt(float(b["samples_per_s"]) / int(b["devices"])),
                     "" if pd.isna(b["model"]) else str(b["model"]),
                     "" if pd.isna(b["precision"]) else str(b["precision"]),
+                    "" if pd.isna(b["batch_per_device"]) else str(b["batch_per_device"]),
                     str(b["kind"]), str(b["source"]),
                 )
                 for _, b in baselines.iterrows()
@@ -450,9 +518,14 @@ def report_blocks(
                 Paragraph("Each cell: N here = X times that baseline's total throughput (and X per device)."),
                 Table(("N", *names), tuple(rows)),
             ]
-            notes = [f"{name}{_baseline_note(baselines[baselines['name'] == name].iloc[0], study_runs)}"
-                     for name in names]
-            notes = [note for note in notes if "not like for like" in note]
+            notes = []
+            for name in names:
+                verdict = checks.baseline(str(name), str(study), str(strategy))
+                if verdict is not None and not verdict.like_for_like:
+                    notes.append(f"{name}: not like for like ({verdict.why_not}{_differences(verdict)}); "
+                                 "its ratios compare different work and are no result.")
+                elif verdict is not None and verdict.differences:
+                    notes.append(f"{name}: like for like except {'; '.join(verdict.differences)}.")
             if notes:
                 blocks.append(Bullets(tuple(notes)))
 
@@ -525,11 +598,86 @@ def report_blocks(
             "Speed-up S(N) = T(N) / T(N0), N0 = the smallest world size of the study.",
             "Efficiency: strong = S(N) x N0 / N; weak = (T(N)/N) / (T(N0)/N0).",
             "Karp-Flatt e = (1/S - 1/p) / (1 - 1/p), p = N / N0: the experimentally determined "
-            "serial fraction; growing e with N points at overhead (communication), not serial code.",
+            "serial fraction; growing e with N points at overhead (communication), not serial code. "
+            "e < 0 (superlinear) and e > 1 (slower than N0) are flagged: they are no serial fraction.",
             "Prediction: Amdahl's law S = 1 / (s + (1 - s)/p) fitted to strong studies, Gustafson's "
-            "S = p - s (p - 1) to weak ones (least squares), drawn dashed up to 4x the largest N.",
+            "S = p - s (p - 1) to weak ones (least squares). A fit at a bound of [0, 1] or with an RMSE "
+            "above 10 % of the speed-ups is reported as no meaningful fit and not drawn; a meaningful one "
+            "is extrapolated (dashed, shaded) by no more doublings than were measured, at most 4x.",
+            f"Measured too briefly: fewer than {MIN_STEADY_WINDOWS} steady-state step records or less than "
+            f"{MIN_MEASURED_S:g} s of steady state in a run (the first step record of a segment is warm-up).",
+            "Cost: device-hours per 1M samples = N / T(N) x 10^6 / 3600; relative cost = that over the "
+            "same at N0 = p / S = 1 / efficiency. runs.csv: device_hours = allocated devices x elapsed "
+            "(source sacct: AllocTRES gres/gpu, else the world size, x Elapsed of every allocation; "
+            "source records: world size x the wall time in the end records).",
+            "Energy: sacct ConsumedEnergy when non-zero, else the ranks' NVML energy (GPU runs with "
+            "nvidia-ml-py); joules per sample = energy / (steps x global batch).",
+            "Baselines: a headline ratio only like for like (same model and precision, stated, and the "
+            "same per-device batch when the baseline states it); a different device is stated, not refused.",
         )),
     ]
+    return blocks
+
+
+def _cost_blocks(
+    data: Ingested,
+    table: pd.DataFrame,
+    fits: Sequence[ScalingFit],
+    checks: Review,
+    usage: pd.DataFrame,
+    accounting_note: str,
+) -> list[Block]:
+    """The "Cost of scaling" section: device-hours per sample, relative cost, energy, predictions."""
+    if table.empty:
+        return []
+    runs = data.runs
+    points = cost_points(table, runs, usage)
+    blocks: list[Block] = [Heading(2, "Cost of scaling")]
+    for (study, strategy), group in points.groupby(["study", "strategy"], sort=False):
+        study_runs = runs[runs["study"] == study]
+        one = _unit(study_runs, 1)
+        base = group.loc[group["world_size"].idxmin()]
+        n0 = int(base["world_size"])
+        sentences = [
+            f"{study} ({strategy}): at N0 = {n0} {_unit(study_runs, n0)}, 1M samples take "
+            f"{_hours(base['device_hours_per_1m_samples'])} {one}-hours."
+        ]
+        for _, row in group[group["world_size"] != n0].iterrows():
+            n = int(row["world_size"])
+            sentences.append(
+                f"{n} {_unit(study_runs, n)} are {float(row['speedup']):.2f} times as fast for "
+                f"{float(row['relative_cost']):.2f} times the {one}-hours per sample "
+                f"({_hours(row['device_hours_per_1m_samples'])} per 1M samples)."
+            )
+        fit = next((f for f in fits if f.study == study and f.strategy == strategy), None)
+        verdict = checks.fit(str(study), str(strategy))
+        if fit is not None and verdict is not None and verdict.targets():
+            predicted = fit.predict(list(verdict.targets()))
+            per_million = float(base["device_hours_per_1m_samples"])
+            sentences.append("Predicted by the " + fit.law.capitalize() + " fit (extrapolation): " + "; ".join(
+                f"{n} {_unit(study_runs, n)}: {s:.2f} times as fast for {n / n0 / s:.2f} times the cost "
+                f"({per_million * n / n0 / s:.3g} {one}-hours per 1M samples)"
+                for n, s in zip(verdict.targets(), predicted, strict=True)
+            ) + ".")
+        elif fit is not None and verdict is not None and not verdict.meaningful:
+            sentences.append("No cost prediction: no meaningful fit.")
+        energy = group["joules_per_sample"].dropna()
+        if energy.empty:
+            sentences.append("Energy: not measured (no sacct ConsumedEnergy, no NVML readings).")
+        else:
+            sentences.append("Energy: " + "; ".join(
+                f"N = {int(r['world_size'])}: {float(r['joules_per_sample']):.3g} J per sample"
+                for _, r in group.dropna(subset=["joules_per_sample"]).iterrows()
+            ) + ".")
+        blocks.append(Paragraph(" ".join(sentences)))
+    sources = usage["device_hours_source"].replace("", pd.NA).dropna()
+    counts = sources.value_counts()
+    where = ", ".join(f"{count} from {source}" for source, count in counts.items()) or "none known"
+    note = f" Not from sacct: {accounting_note}." if accounting_note else ""
+    blocks.append(Paragraph(
+        f"Device-hours per run (runs.csv, device_hours): {where}.{note} Records-based hours count the "
+        "training segments only (no start-up or queue time)."
+    ))
     return blocks
 
 
@@ -617,6 +765,9 @@ class ReportResult:
         fits: the fitted scaling laws.
         baselines: the baseline rows used.
         files: every file written.
+        checks: what the honesty rules found (:class:`~cyclone_kit.analysis.honesty.Review`).
+        usage: device-hours and energy per run (the columns added to ``runs.csv``).
+        accounting_note: why sacct gave nothing ("" when it answered).
     """
 
     out_dir: Path
@@ -625,11 +776,19 @@ class ReportResult:
     fits: tuple[ScalingFit, ...]
     baselines: pd.DataFrame
     files: tuple[Path, ...]
+    checks: Review = field(default_factory=Review)
+    usage: pd.DataFrame = field(default_factory=pd.DataFrame)
+    accounting_note: str = ""
 
     @property
     def warnings(self) -> tuple[str, ...]:
         """Problems found while reading the runs."""
         return self.data.warnings
+
+    @property
+    def runs(self) -> pd.DataFrame:
+        """The runs table with the usage columns (what ``runs.csv`` holds)."""
+        return self.data.runs.join(self.usage) if not self.usage.empty else self.data.runs
 
 
 def write_report(
@@ -638,18 +797,22 @@ def write_report(
     baselines: Sequence[str | tuple[str, str | Path]] = (),
     *,
     title: str = "Scaling report",
+    accounting: bool = True,
 ) -> ReportResult:
     """Read every run below ``paths`` and write the scaling report to ``out_dir``.
 
-    Writes ``scaling.csv``, ``runs.csv``, ``baselines.csv`` (when baselines are given),
-    ``speedup``/``efficiency``/``throughput_per_device`` as PNG and SVG (when at least one run
-    is complete), ``report.md`` and a self-contained ``report.html``.
+    Writes ``scaling.csv``, ``runs.csv`` (with device-hours and energy per run),
+    ``baselines.csv`` (when baselines are given), the :data:`PLOT_STEMS` plots as PNG (300 dpi)
+    and SVG (editable text) when at least one run is complete, ``report.md`` and a
+    self-contained ``report.html``.
 
     Args:
         paths: study directories, run directories or metrics files.
         out_dir: the output directory (created).
         baselines: ``"NAME=PATH"`` strings or ``(name, path)`` pairs.
         title: the report title.
+        accounting: ask ``sacct`` for the runs' Slurm jobs (elapsed, GPUs, energy); without it,
+            or when accounting is disabled, device-hours come from the metrics records.
 
     Raises:
         ValidationError: a path holds no metrics, or a baseline is unusable.
@@ -664,11 +827,19 @@ def write_report(
         else pd.DataFrame(columns=list(BASELINE_COLUMNS))
     )
 
+    checks = review(data.runs, data.steps, table, fits, baseline_frame)
+    accounting_note = ""
+    sacct: dict = {}
+    if accounting:
+        on_slurm = data.runs[data.runs["launcher"].astype(str) != "local"]  # local runs' job ids are fake
+        sacct, accounting_note = query_sacct(list(on_slurm["slurm_job_id"].dropna()))
+    usage = usage_table(data.runs, data.ranks, sacct)
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
     table.to_csv(out / "scaling.csv", index=False)
-    data.runs.to_csv(out / "runs.csv", index=False)
+    data.runs.join(usage).to_csv(out / "runs.csv", index=False)
     files += [out / "scaling.csv", out / "runs.csv"]
     if not baseline_frame.empty:
         comparisons = compare_to_baselines(table, baseline_frame)
@@ -678,10 +849,15 @@ def write_report(
     images: dict[str, bytes] = {}
     plots_written = not table.empty
     if plots_written:
+        setup = plots.plot_setup(data.runs, table)
+        mode = "/".join(sorted(set(table["mode"]) - {"unknown"}))
+        scaling = f" ({mode} scaling)" if mode else ""
         figures = {
-            "speedup": plots.speedup_figure(table, fits),
-            "efficiency": plots.efficiency_figure(table, fits),
-            "throughput_per_device": plots.throughput_figure(table),
+            "speedup": plots.speedup_figure(table, fits, title=f"Speed-up{scaling}", setup=setup, checks=checks),
+            "efficiency": plots.efficiency_figure(table, fits, title=f"Parallel efficiency{scaling}", setup=setup,
+                                                  checks=checks),
+            "throughput_per_device": plots.throughput_figure(table, setup=setup),
+            "cost": plots.cost_figure(table, fits, setup=setup),
         }
         for stem, fig in figures.items():
             written = plots.save_figure(fig, [out / f"{stem}.png", out / f"{stem}.svg"])
@@ -690,11 +866,13 @@ def write_report(
 
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     blocks = report_blocks(
-        data, table, fits, baseline_frame, title=title, generated=generated, plots_written=plots_written
+        data, table, fits, baseline_frame, title=title, generated=generated, plots_written=plots_written,
+        checks=checks, usage=usage, accounting_note=accounting_note,
     )
     (out / "report.md").write_text(render_markdown(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, images), encoding="utf-8")
     files += [out / "report.md", out / "report.html"]
     return ReportResult(
-        out_dir=out, table=table, data=data, fits=fits, baselines=baseline_frame, files=tuple(files)
+        out_dir=out, table=table, data=data, fits=fits, baselines=baseline_frame, files=tuple(files),
+        checks=checks, usage=usage, accounting_note=accounting_note,
     )

@@ -11,7 +11,10 @@ Definitions (per study and strategy; N0 = the smallest world size of that study,
   law is fitted;
 * Karp-Flatt serial fraction e = (1/S - 1/p) / (1 - 1/p), p = N / N0 (empty at the baseline);
 * Amdahl's law (strong scaling): S(p) = 1 / (s + (1 - s) / p), fitted by least squares on S;
-* Gustafson's law (weak scaling, scaled speed-up): S(p) = p - s (p - 1), fitted in closed form.
+* Gustafson's law (weak scaling, scaled speed-up): S(p) = p - s (p - 1), fitted in closed form;
+* cost: device-hours per million samples = N / T(N) x 10^6 / 3600 (steady-state throughput).
+
+Whether a fitted law or a point can be stood behind is decided in :mod:`cyclone_kit.analysis.honesty`.
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ SCALING_COLUMNS = (
     "speedup",
     "efficiency",
     "karp_flatt",
+    "device_hours_per_1m_samples",
 )
+
+#: Columns computed by :func:`add_scaling_metrics` (not by :func:`aggregate_runs`).
+_METRIC_COLUMNS = ("speedup", "efficiency", "karp_flatt", "device_hours_per_1m_samples")
 
 MODES = ("strong", "weak", "unknown")
 _GROUP = ["study", "strategy"]
@@ -99,7 +106,7 @@ def aggregate_runs(runs: pd.DataFrame) -> pd.DataFrame:
     if "complete" in keep:
         keep = keep[keep["complete"].astype(bool)]
     keep = keep[keep["samples_per_s"].notna() & keep["world_size"].notna()]
-    columns = [c for c in SCALING_COLUMNS if c not in ("speedup", "efficiency", "karp_flatt")]
+    columns = [c for c in SCALING_COLUMNS if c not in _METRIC_COLUMNS]
     if keep.empty:
         return pd.DataFrame(columns=columns)
     modes = {key: infer_mode(group) for key, group in keep.groupby(_GROUP, sort=False)}
@@ -129,8 +136,18 @@ def karp_flatt(speedup: float, p: float) -> float:
     return (1.0 / speedup - 1.0 / p) / (1.0 - 1.0 / p)
 
 
+def device_hours_per_1m_samples(world_size: float, samples_per_s: float) -> float:
+    """Device-hours to process 10^6 samples at ``samples_per_s`` on ``world_size`` devices.
+
+    ``world_size / samples_per_s * 1e6 / 3600``; nan when the throughput is not positive.
+    """
+    if not samples_per_s > 0:
+        return math.nan
+    return float(world_size) / float(samples_per_s) * 1e6 / 3600.0
+
+
 def add_scaling_metrics(table: pd.DataFrame) -> pd.DataFrame:
-    """Add ``speedup``, ``efficiency`` and ``karp_flatt`` to an aggregated table.
+    """Add ``speedup``, ``efficiency``, ``karp_flatt`` and the cost to an aggregated table.
 
     The baseline of each (study, strategy) is its smallest world size N0.
 
@@ -138,11 +155,11 @@ def add_scaling_metrics(table: pd.DataFrame) -> pd.DataFrame:
         table: output of :func:`aggregate_runs`.
 
     Returns:
-        A new table with the three columns, in :data:`SCALING_COLUMNS` order.
+        A new table with the four columns, in :data:`SCALING_COLUMNS` order.
     """
     out = table.copy()
     if out.empty:
-        for column in ("speedup", "efficiency", "karp_flatt"):
+        for column in _METRIC_COLUMNS:
             out[column] = pd.Series(dtype=float)
         return out[list(SCALING_COLUMNS)]
     grouped = out.groupby(_GROUP, sort=False)
@@ -154,6 +171,9 @@ def add_scaling_metrics(table: pd.DataFrame) -> pd.DataFrame:
     # Strong: S * N0 / N. Weak: (T/N) / (T0/N0). Identical for throughput in samples/s.
     out["efficiency"] = out["speedup"] / p
     out["karp_flatt"] = [karp_flatt(s, q) for s, q in zip(out["speedup"], p, strict=True)]
+    out["device_hours_per_1m_samples"] = [
+        device_hours_per_1m_samples(n, t) for n, t in zip(out["world_size"], out["samples_per_s"], strict=True)
+    ]
     return out[list(SCALING_COLUMNS)].reset_index(drop=True)
 
 

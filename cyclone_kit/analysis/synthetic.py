@@ -1,6 +1,7 @@
 """Synthetic ``metrics.jsonl`` runs and studies, for tests, benchmarks and demos.
 
-The records follow the metrics contract (schema 1) that the training runtime writes.
+Every record is built by :mod:`cyclone_kit.contract`, the metrics contract (schema 1) that the
+training runtime writes through too, so synthetic studies cannot drift from real ones.
 :func:`run_records` is pure; :func:`write_run` and :func:`write_study` write files.
 """
 
@@ -11,6 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cyclone_kit import contract
+from cyclone_kit.rundir import RunDir, StudyDir
 
 _TIME = "2026-01-01T00:00:00Z"
 
@@ -55,32 +59,26 @@ def run_records(run: SyntheticRun, run_id: str = "run") -> list[dict[str, Any]]:
     step = 0
     for index, status in enumerate(run.statuses):
         throughput = run.segment_samples_per_s[index] if run.segment_samples_per_s else run.samples_per_s
-        records.append({
-            "kind": "start", "schema": 1, "run_id": run_id, "world_size": run.world_size,
-            "num_nodes": run.num_nodes, "local_world_size": max(run.world_size // run.num_nodes, 1),
-            "per_device_batch_size": run.per_device_batch_size,
-            "global_batch_size": run.per_device_batch_size * run.world_size,
-            "model": run.model, "dataset": run.dataset, "precision": "fp32", "strategy": run.strategy,
-            "launcher": "srun", "device": run.device, "device_name": run.device_name,
-            "hostnames": [f"gpu{n + 1:02d}" for n in range(run.num_nodes)],
-            "slurm_job_id": str(1000 + index), "time": _TIME,
-            "versions": {"torch": "2.4.0", "torchvision": "0.19.0", "cyclone_kit": "0.1.0"},
-            "git_commit": None, "restart_count": index,
-        })
+        records.append(contract.start_record(
+            run_id=run_id, world_size=run.world_size, num_nodes=run.num_nodes,
+            local_world_size=max(run.world_size // run.num_nodes, 1),
+            per_device_batch_size=run.per_device_batch_size,
+            global_batch_size=run.per_device_batch_size * run.world_size,
+            model=run.model, dataset=run.dataset, precision="fp32", strategy=run.strategy,
+            launcher="slurm", device=run.device, device_name=run.device_name,
+            hostnames=[f"gpu{n + 1:02d}" for n in range(run.num_nodes)],
+            slurm_job_id=str(1000 + index), time=_TIME,
+            versions={"torch": "2.4.0", "torchvision": "0.19.0", "cyclone_kit": "0.1.0"},
+            git_commit=None, restart_count=index,
+        ))
         global_batch = run.per_device_batch_size * run.world_size
         for _ in range(run.steps):
             step += 1
-            records.append({
-                "kind": "step", "schema": 1, "step": step, "epoch": 0, "loss": 2.0 / step,
-                "step_time_s": global_batch / throughput, "data_time_s": 0.001,
-                "samples_per_s": throughput, "time": _TIME,
-            })
-        records.append({"kind": "epoch", "schema": 1, "epoch": 0, "val_accuracy": 0.5, "epoch_time_s": 1.0})
+            records.append(contract.step_record(step, 0, 2.0 / step, global_batch / throughput, 0.001, throughput,
+                                                _TIME))
+        records.append(contract.epoch_record(0, 0.5, 1.0, _TIME))
         if status is not None:
-            records.append({
-                "kind": "end", "schema": 1, "status": status, "steps": step, "samples_per_s": throughput,
-                "wall_time_s": 10.0, "time": _TIME,
-            })
+            records.append(contract.end_record(status, step, throughput, 10.0, _TIME))
     return records
 
 
@@ -93,7 +91,7 @@ def write_run(run_dir: str | Path, run: SyntheticRun, *, extra_text: str = "") -
     """Write ``run_dir/metrics.jsonl`` for ``run`` (plus ``extra_text`` appended verbatim)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     path.write_text(metrics_text(run_records(run, run_id=run_dir.name)) + extra_text, encoding="utf-8")
     return path
 
@@ -130,5 +128,5 @@ def write_study(
         })
     if mode is not None:
         sweep = {"schema": 1, "kind": "sweep", "study": study, "mode": mode, "base_spec": {}, "points": points}
-        (study_dir / "sweep.json").write_text(json.dumps(sweep, indent=2), encoding="utf-8")
+        StudyDir(study_dir).sweep.write_text(json.dumps(sweep, indent=2), encoding="utf-8")
     return study_dir

@@ -1,15 +1,19 @@
 """Backends submit a prepared run directory somewhere: ``slurm``, ``submitit`` or ``local``.
 
-A backend is a small object with ``name``, ``submit``, ``status`` and ``cancel``; backends
-are registered here by name and imported lazily (submitit and torch only when chosen).
+Every backend implements :class:`cyclone_kit.backends.base.Backend` (``submit_run``, ``status``,
+``cancel``, ``log_files``); backends are registered here by name and imported lazily (submitit
+and torch only when chosen).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cyclone_kit.errors import ValidationError
+
+if TYPE_CHECKING:
+    from cyclone_kit.backends.base import Backend
 
 #: name -> "module:class"
 BACKENDS = {
@@ -19,7 +23,7 @@ BACKENDS = {
 }
 
 
-def get_backend(name: str, **kwargs: Any) -> Any:
+def get_backend(name: str, **kwargs: Any) -> Backend:
     """Instantiate the backend registered as ``name``."""
     target = BACKENDS.get(name)
     if target is None:

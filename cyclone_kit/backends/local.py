@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import queue
 import secrets
@@ -32,11 +31,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
+from cyclone_kit import failures
+from cyclone_kit.backends.base import JobHandle
+from cyclone_kit.backends.base import log_files as run_log_files
 from cyclone_kit.errors import RankFailure, ValidationError
+from cyclone_kit.failures import read_error_record, signal_name
 from cyclone_kit.malloc import malloc_environment
-from cyclone_kit.rundir import write_atomic
+from cyclone_kit.rundir import FAILURE_FILE, LAUNCH_FILE, RunDir
+
+if TYPE_CHECKING:
+    from cyclone_kit.slurm.parse import JobInfo
+
+__all__ = ["FAILURE_FILE", "LAUNCH_FILE", "LocalBackend", "launch", "local_job", "signal_name"]
 
 #: Variables of an enclosing launcher that must not leak into the ranks (they would win detection).
 _FOREIGN_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "SALLOC_", "OMPI_", "PMI_", "PMIX_", "SUBMITIT_",
@@ -46,8 +54,6 @@ _FOREIGN_NAMES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZ
 #: Seconds between SIGTERM and SIGKILL when stopping ranks.
 GRACE_S = 5.0
 STDERR_TAIL_LINES = 20
-FAILURE_FILE = "failure.json"
-LAUNCH_FILE = "launch.json"
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -180,16 +186,6 @@ def new_job_id() -> str:
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
-def signal_name(returncode: int | None) -> str | None:
-    """``SIGKILL`` for a return code of -9, else None (pure)."""
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
 # --------------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class RankExit:
@@ -278,54 +274,27 @@ def tail_lines(path: Path, n: int = STDERR_TAIL_LINES, max_bytes: int = 64_000) 
     return data.decode("utf-8", errors="replace").splitlines()[-n:]
 
 
-def read_error_record(run_dir: Path, rank: int) -> dict[str, Any] | None:
-    """The rank's own error record (``ranks/error-rank-NNNNN.json``), when it wrote one."""
-    path = Path(run_dir) / "ranks" / f"error-rank-{rank:05d}.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def failure_record(result: LaunchResult) -> dict[str, Any]:
-    """The ``failure.json`` document for a failed or interrupted launch."""
+    """The ``failure.json`` document for a failed or interrupted launch (schema: :mod:`cyclone_kit.failures`)."""
     first = result.first_failure
     ranks = [
         {"rank": e.rank, "host": e.host, "pid": e.pid, "exit_code": e.returncode, "signal": signal_name(e.returncode),
          "elapsed_s": round(e.elapsed_s, 3), "stopped_by_launcher": e.stopped}
         for e in result.exits
     ]
-    doc: dict[str, Any] = {
-        "schema": 1,
-        "kind": "failure",
-        "launcher": "local",
-        "job_id": result.job_id,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "stop_s": None if result.stop_s is None else round(result.stop_s, 3),
-        "ranks": ranks,
-    }
+    common: dict[str, Any] = {"written_by": "local", "job_id": result.job_id, "ranks": ranks,
+                              "stop_s": None if result.stop_s is None else round(result.stop_s, 3)}
     if first is None:
         summary = "interrupted: the launcher was stopped (Ctrl-C, SIGTERM or --timeout) and stopped every rank"
-        doc.update(cause="interrupted", summary=summary, root_cause=summary, rank=None, host=None)
-        return doc
+        return failures.failure_doc(cause="interrupted", root_cause=summary, **common)
     error = read_error_record(result.run_dir, first.rank)
-    summary = root_cause_line(first, error)
-    doc.update(
-        cause="rank_failed",
-        summary=summary,
-        root_cause=summary,  # the key cyclone_kit.runinfo (status, logs) reads
-        rank=first.rank,
-        host=first.host,
-        pid=first.pid,
-        exit_code=first.returncode,
-        signal=signal_name(first.returncode),
-        elapsed_s=round(first.elapsed_s, 3),
-        stderr_log=f"logs/rank-{first.rank}.err",
-        stderr_tail=tail_lines(Path(result.run_dir) / "logs" / f"rank-{first.rank}.err"),
-        error_record=error,
+    rd = RunDir(result.run_dir)
+    return failures.failure_doc(
+        cause="rank_failed", root_cause=root_cause_line(first, error), first=error, rank=first.rank,
+        host=first.host, pid=first.pid, exit_code=first.returncode, elapsed_s=round(first.elapsed_s, 3),
+        stderr_log=str(rd.rank_log(first.rank, "err").relative_to(rd.path)),
+        stderr_tail=tail_lines(rd.rank_log(first.rank, "err")), error_record=error, **common,
     )
-    return doc
 
 
 def format_failure(result: LaunchResult) -> str:
@@ -342,7 +311,7 @@ def format_failure(result: LaunchResult) -> str:
         lines.append(f"rank {e.rank} on {e.host}: {e.how}" + (" (stopped by the launcher)" if e.stopped else ""))
     if result.stop_s is not None:
         lines.append(f"all ranks gone {result.stop_s:.1f} s after the first failure")
-    lines.append(f"failure record: {Path(result.run_dir) / FAILURE_FILE}")
+    lines.append(f"failure record: {RunDir(result.run_dir).failure}")
     return "\n".join(lines)
 
 
@@ -388,7 +357,8 @@ def launch(
         The :class:`LaunchResult`; ``failure.json`` is written when it is not ok.
     """
     run_dir = Path(run_dir).absolute()
-    logs = run_dir / "logs"
+    rd = RunDir(run_dir)
+    logs = rd.logs
     logs.mkdir(parents=True, exist_ok=True)
     threads = threads or threads_per_rank(nproc, available_cores())
     job_id = new_job_id()
@@ -423,12 +393,12 @@ def launch(
             previous[sig] = signal.signal(sig, on_signal)
         for sig in FORWARDED_SIGNALS:
             previous[sig] = signal.signal(sig, forward)
-    follower = _Follower(logs / "rank-0.out", echo) if echo is not None else None
+    follower = _Follower(rd.rank_log(0), echo) if echo is not None else None
     try:
         try:
             for rank, env in enumerate(envs):
-                out = open(logs / f"rank-{rank}.out", "ab")  # noqa: SIM115 (closed in finally)
-                err = open(logs / f"rank-{rank}.err", "ab")  # noqa: SIM115
+                out = open(rd.rank_log(rank, "out"), "ab")  # noqa: SIM115 (closed in finally)
+                err = open(rd.rank_log(rank, "err"), "ab")  # noqa: SIM115
                 files += [out, err]
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
                                         start_new_session=True)
@@ -498,7 +468,7 @@ def launch(
         stop_s=None if stop_began is None else max(e.elapsed_s for e in exits.values()) - (stop_began - started),
     )
     if not result.ok:
-        write_atomic(run_dir / FAILURE_FILE, json.dumps(failure_record(result), indent=2) + "\n")
+        failures.write_failure(run_dir, failure_record(result))
     return result
 
 
@@ -593,7 +563,7 @@ def _write_launch_record(
         "command": list(argv),
         "ranks": [{"rank": r, "pid": p.pid, "host": envs[r]["SLURMD_NODENAME"]} for r, p in enumerate(procs)],
     }
-    write_atomic(run_dir / LAUNCH_FILE, json.dumps(doc, indent=2) + "\n")
+    RunDir(run_dir).write_launch(doc)
 
 
 class _Follower:
@@ -635,52 +605,65 @@ class LocalBackend:
         self.echo = sys.stdout if echo is None else echo
         self.grace_s = grace_s
 
-    def submit_run(self, job: Any, run_dir: Path) -> str:
-        """Run ``job`` in ``run_dir`` until it ends; return its (fake) job id.
+    def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
+        """Run ``job`` in ``run_dir`` until it ends; return its handle (a fake job id, already finished).
+
+        ``after`` must be empty: a foreground run cannot wait for another job.
 
         Raises:
             RankFailure: a rank failed or the run was interrupted; the message is the root cause
                 line, ``failure.json`` holds the details, the full report went to stderr.
         """
-        run_dir = Path(run_dir)
+        if after:
+            raise ValidationError("the local backend runs in the foreground and cannot wait for other jobs",
+                                  hint="drop the dependency, or use --backend slurm")
+        rd = RunDir(run_dir)
         nproc, nodes = job.world_size, job.nodes
         threads = threads_per_rank(nproc, available_cores())
-        _set_spec_threads(run_dir / "spec.json", threads)
+        rd.set_threads(threads)
         from cyclone_kit.launch import rank_command  # a user's script runs through the launch shim
 
-        result = launch(run_dir, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=rank_command(job.spec, run_dir))
-        write_atomic(run_dir / "job_id", result.job_id + "\n")
-        write_atomic(run_dir / "backend", "local\n")
+        result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
+                        grace_s=self.grace_s, command=rank_command(job.spec, rd.path))
+        rd.write_submission(result.job_id, self.name)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")
             raise RankFailure(
                 failure_record(result)["summary"],
-                hint=f"see {run_dir / FAILURE_FILE} and {run_dir / 'logs'}",
+                hint=f"see {rd.failure} and {rd.logs}",
             )
-        return result.job_id
+        return JobHandle(result.job_id, self.name, rd.path)
 
-    def status(self, job_id: str) -> Any:  # pragma: no cover - a foreground run has finished when submit returns
-        """Local runs finish before submit_run returns; there is nothing to ask."""
-        raise ValidationError(f"local job {job_id} ran in the foreground and has finished",
-                              hint="look at its run directory (metrics.jsonl, failure.json, logs/)")
+    def status(self, job: str) -> JobInfo:
+        """What the run directory says: a foreground run has ended by the time anyone asks."""
+        return run_dir_status(str(job), getattr(job, "run_dir", None))
 
-    def cancel(self, job_id: str) -> None:  # pragma: no cover - see status
-        """Local runs stop with Ctrl-C; there is nothing to cancel afterwards."""
-        raise ValidationError(f"local job {job_id} ran in the foreground and has finished",
+    def cancel(self, job: str) -> None:
+        """A foreground run stops with Ctrl-C; afterwards there is nothing to cancel.
+
+        Raises:
+            ValidationError: always (the run has finished).
+        """
+        raise ValidationError(f"local job {job} ran in the foreground and has finished",
                               hint="stop a local run with Ctrl-C while it runs")
 
+    def log_files(self, job: JobHandle) -> list[Path]:
+        """Per-rank logs: ``logs/rank-N.out`` and ``.err``."""
+        return run_log_files(job)
 
-def _set_spec_threads(spec_path: Path, threads: int) -> None:
-    """Record the threads per rank this machine gives each rank in ``spec.json`` (cpus_per_task)."""
-    try:
-        data = json.loads(spec_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    resources = data.get("resources")
-    if isinstance(resources, dict) and resources.get("cpus_per_task") != threads:
-        data["resources"] = {**resources, "cpus_per_task": threads}
-        write_atomic(spec_path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+def run_dir_status(job_id: str, run_dir: Path | None) -> JobInfo:
+    """The state of a foreground run that has ended, from its run directory's records."""
+    from cyclone_kit.slurm.parse import JobInfo
+    from cyclone_kit.slurm.states import JobState
+
+    rd = RunDir(run_dir) if run_dir is not None else None
+    end = rd.end_status() if rd is not None else None
+    cause = rd.root_cause() if rd is not None else None
+    state = {"completed": JobState.COMPLETED, "preempted": JobState.PREEMPTED, "failed": JobState.FAILED}.get(
+        end or "", JobState.FAILED if cause else JobState.UNKNOWN)
+    name = str(rd.read_spec().get("name", rd.path.name)) if rd is not None else ""
+    return JobInfo(job_id, name, state, 0, "", 0, "", None, None)
 
 
 def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None) -> Any:

@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from cyclone_kit.backends.base import JobHandle, log_files
 from cyclone_kit.errors import SlurmError, ValidationError
 from cyclone_kit.proc import CompletedCommand, run_command
+from cyclone_kit.rundir import RunDir
 from cyclone_kit.slurm import argv as slurm_argv
 from cyclone_kit.slurm.parse import (
     JobInfo,
@@ -65,10 +67,11 @@ class SlurmBackend:
         """Run a Slurm command without raising on a non-zero exit."""
         return run_command(argv, timeout=self.timeout, check=False, cwd=cwd)
 
-    def submit(self, script_path: Path, run_dir: Path) -> str:
+    def submit(self, script_path: Path, run_dir: Path, *, after: Sequence[str] = ()) -> str:
         """Submit ``script_path`` with ``sbatch --parsable`` from ``run_dir``; return the job id.
 
         Relative paths in the script's ``#SBATCH`` lines (``--output``) resolve against ``run_dir``.
+        ``after``: job ids the job waits for (``sbatch --dependency=afterany:ID:ID``).
 
         Raises:
             ValidationError: the script or the run directory does not exist.
@@ -80,7 +83,8 @@ class SlurmBackend:
             raise ValidationError(f"batch script {script} does not exist", hint="render the job before submitting it")
         if not run_dir.is_dir():
             raise ValidationError(f"run directory {run_dir} does not exist", hint="create it before submitting")
-        argv = slurm_argv.sbatch(script.resolve())
+        extra = [f"--dependency={slurm_argv.dependency(after)}"] if after else []
+        argv = slurm_argv.sbatch(script.resolve(), extra)
         result = self._run(argv, cwd=run_dir)
         if not result.ok:
             raise SlurmError(
@@ -89,9 +93,16 @@ class SlurmBackend:
             )
         return parse_sbatch_parsable(result.stdout)
 
-    def submit_run(self, job: object, run_dir: Path) -> str:
-        """Submit a prepared run directory's ``job.sbatch`` (the backend protocol's entry)."""
-        return self.submit(Path(run_dir) / "job.sbatch", Path(run_dir))
+    def submit_run(self, job: object, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
+        """Submit a prepared run directory's ``job.sbatch`` and record the submission in it."""
+        rd = RunDir(run_dir)
+        job_id = self.submit(rd.script, rd.path, after=after)
+        rd.write_submission(job_id, self.name)
+        return JobHandle(job_id, self.name, rd.path)
+
+    def log_files(self, job: JobHandle) -> list[Path]:
+        """The job's ``logs/`` (``#SBATCH --output`` / ``--error`` point there)."""
+        return log_files(job)
 
     def status(self, job_id: str) -> JobInfo:
         """The job's current :class:`JobInfo`.
@@ -105,7 +116,7 @@ class SlurmBackend:
             ValidationError: ``job_id`` is not a job id.
             SlurmError: no command knows the job, or Slurm cannot be reached.
         """
-        job_id = slurm_argv.check_job_id(job_id)
+        job_id = slurm_argv.check_job_id(str(job_id))
         sources = (
             (slurm_argv.squeue, parse_squeue),
             (slurm_argv.sacct, parse_sacct),

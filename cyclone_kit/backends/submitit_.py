@@ -27,13 +27,19 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cyclone_kit.backends.base import JobHandle, log_files
+from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.errors import RankFailure, SlurmError, ValidationError
 from cyclone_kit.malloc import GLIBC_TUNABLES
-from cyclone_kit.rundir import write_atomic
+from cyclone_kit.rundir import RunDir
+from cyclone_kit.slurm import argv as slurm_argv
+
+if TYPE_CHECKING:
+    from cyclone_kit.slurm.parse import JobInfo
 
 EXECUTORS = ("auto", "slurm", "local")
 
@@ -174,20 +180,29 @@ class SubmititBackend:
             return forced
         return "slurm" if shutil.which("sbatch") else "local"
 
-    def submit_run(self, job: Any, run_dir: Path, *, dependency: str | None = None) -> str:
+    def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = (),
+                   dependency: str | None = None) -> JobHandle:
         """Submit ``job`` for ``run_dir``; returns the Slurm job id (or the local controller's pid).
 
-        ``dependency`` (Slurm only) is an sbatch dependency such as ``afterany:123``.
+        ``after`` (Slurm only): job ids this job waits for (``afterany``); ``dependency``: a raw
+        sbatch dependency such as ``afterok:123`` instead.
 
         Raises:
             SlurmError: submitit could not submit to Slurm (sbatch missing or refusing).
             RankFailure: a local run failed (the message quotes submitit's error).
         """
         run_dir = Path(run_dir).absolute()
-        folder = run_dir / "submitit"
+        folder = RunDir(run_dir).submitit
+        if after:
+            if dependency:
+                raise ValidationError("give after= or dependency=, not both", hint="use after=[job ids]")
+            dependency = slurm_argv.dependency(after)
         if self.chosen_executor() == "slurm":
-            return self._submit_slurm(job, run_dir, folder, dependency)
-        return self._run_local(job, run_dir, folder)
+            return JobHandle(self._submit_slurm(job, run_dir, folder, dependency), self.name, run_dir)
+        if dependency:
+            raise ValidationError("submitit's local executor runs in the foreground and cannot wait for other jobs",
+                                  hint="drop the dependency, or submit to Slurm")
+        return JobHandle(self._run_local(job, run_dir, folder), self.name, run_dir)
 
     def _submit_slurm(self, job: Any, run_dir: Path, folder: Path, dependency: str | None) -> str:
         import submitit
@@ -204,7 +219,8 @@ class SubmititBackend:
                              hint="check that Slurm is reachable (sinfo) or use --backend local") from None
         job_id = str(handle.job_id)
         self.jobs[job_id] = handle
-        write_atomic(run_dir / "submitit_job", job_id + "\n")
+        RunDir(run_dir).write_submitit_job_id(job_id)
+        RunDir(run_dir).write_submission(job_id, self.name)
         if self.wait:
             handle.wait()
         return job_id
@@ -228,7 +244,8 @@ class SubmititBackend:
             handle = ex.submit(train, str(run_dir))
         job_id = str(handle.job_id)
         self.jobs[job_id] = handle
-        write_atomic(run_dir / "submitit_job", job_id + "\n")
+        RunDir(run_dir).write_submitit_job_id(job_id)
+        RunDir(run_dir).write_submission(job_id, self.name)
         try:
             handle.wait()
             error = handle.exception()
@@ -242,6 +259,35 @@ class SubmititBackend:
                 hint=f"see the task logs in {folder}",
             )
         return job_id
+
+    def status(self, job: str) -> JobInfo:
+        """The job's state: Slurm's view for a Slurm job; for a local one (finished when
+        :meth:`submit_run` returned), what its run directory says."""
+        if self.chosen_executor() == "local":
+            from cyclone_kit.backends.local import run_dir_status
+
+            return run_dir_status(str(job), getattr(job, "run_dir", None))
+        return SlurmBackend().status(str(job))
+
+    def cancel(self, job: str) -> None:
+        """Cancel a Slurm job (``scancel``); a local one has finished already.
+
+        Raises:
+            ValidationError: a local job (it ran in the foreground).
+            SlurmError: as :meth:`cyclone_kit.backends.slurm.SlurmBackend.cancel`.
+        """
+        if self.chosen_executor() == "local":
+            raise ValidationError(f"submitit local job {job} ran in the foreground and has finished",
+                                  hint="stop a local run with Ctrl-C while it runs")
+        SlurmBackend().cancel(str(job))
+
+    def log_files(self, job: JobHandle) -> list[Path]:
+        """The run's ``logs/`` plus submitit's own task logs (``submitit/*.out``, ``*.err``)."""
+        if job.run_dir is None:
+            return []
+        folder = RunDir(job.run_dir).submitit
+        own = sorted(p for p in folder.glob("*_log.*") if p.is_file()) if folder.is_dir() else []
+        return log_files(job) + own
 
     def job_state(self, job_id: str) -> str:
         """submitit's view of a job submitted by this backend object (``RUNNING``, ``COMPLETED`` ...)."""

@@ -13,28 +13,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def job_id_of(target: str) -> str:
-    """The Slurm job id named by ``target`` (an id, or a run directory holding ``job_id``)."""
+def handle_of_target(target: str):
+    """The job named by ``target``: a Slurm job id, or the handle a run directory recorded."""
+    from cyclone_kit.backends.base import JobHandle, handle_of
     from cyclone_kit.errors import ValidationError
-    from cyclone_kit.runinfo import read_run
+    from cyclone_kit.rundir import read_run
 
     path = Path(target)
     if not path.is_dir() and target.replace("_", "").isdigit():
-        return target
-    rec = read_run(path)
-    if not rec.job_id:
+        return JobHandle(target, "slurm")
+    read_run(path)  # a clear error when it is no run directory
+    handle = handle_of(path)
+    if handle is None:
         raise ValidationError(f"run {str(path)!r} was never submitted to a scheduler (no job_id file)",
                               hint="a local run stops with Ctrl-C")
-    return rec.job_id
+    return handle
+
+
+def job_id_of(target: str) -> str:
+    """The job id named by ``target`` (an id, or a run directory holding ``job_id``)."""
+    return handle_of_target(target).job_id
 
 
 def run(args: argparse.Namespace) -> int:
-    """Cancel, then report the state Slurm shows."""
+    """Cancel through the backend the run recorded, then report the state it shows."""
     from cyclone_kit.backends import get_backend
 
-    backend = get_backend("slurm")
-    job_id = job_id_of(args.target)
-    backend.cancel(job_id)
-    info = backend.wait(job_id, timeout=60)
-    print(f"job {job_id}: {info.state.value}")
+    handle = handle_of_target(args.target)
+    backend = get_backend(handle.backend)
+    backend.cancel(handle)
+    wait = getattr(backend, "wait", None)
+    info = wait(handle, timeout=60) if wait is not None else backend.status(handle)
+    print(f"job {handle.job_id}: {info.state.value}")
     return 0

@@ -21,44 +21,50 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def resolve_run_dir(target: str, runs_dir: Path) -> Path:
     """A run directory path, or the run under ``runs_dir`` whose ``job_id`` file holds ``target``."""
     from cyclone_kit.errors import ValidationError
-    from cyclone_kit.runinfo import find_runs
+    from cyclone_kit.rundir import RunDir, find_runs
 
     path = Path(target)
     if path.is_dir():
         return path
     for run_dir in find_runs(runs_dir):
-        jid = run_dir / "job_id"
-        if jid.is_file() and jid.read_text().strip() == target:
+        if RunDir(run_dir).job_id() == target:
             return run_dir
     raise ValidationError(f"no run directory for {target!r} under {str(runs_dir)!r}",
                           hint="give the run directory path (printed by submit)")
 
 
 def log_files(run_dir: Path) -> list[Path]:
-    """Every log file of the run: Slurm's job logs, then per-rank logs of the local launcher."""
-    logs = run_dir / "logs"
-    return sorted(p for p in logs.glob("*") if p.is_file()) if logs.is_dir() else []
+    """Every log file of the run, as the backend it recorded lists them (its ``logs/`` when never submitted)."""
+    from cyclone_kit.backends import get_backend
+    from cyclone_kit.backends.base import JobHandle, handle_of
+    from cyclone_kit.backends.base import log_files as run_logs
+
+    handle = handle_of(run_dir)
+    if handle is None:
+        return run_logs(JobHandle("", "local", run_dir))
+    return get_backend(handle.backend).log_files(handle)
 
 
 def _finished(run_dir: Path) -> bool:
-    from cyclone_kit.runinfo import read_run
+    from cyclone_kit.backends import get_backend
+    from cyclone_kit.backends.base import handle_of
+    from cyclone_kit.rundir import read_run
 
     rec = read_run(run_dir)
     if rec.end_status in ("completed", "failed") or rec.root_cause:
         return True
-    if rec.job_id and rec.backend in (None, "slurm", "submitit"):
-        from cyclone_kit.backends import get_backend
-
-        try:
-            return get_backend("slurm").status(rec.job_id).state.is_terminal
-        except Exception:
-            return True
-    return False
+    handle = handle_of(run_dir)
+    if handle is None:
+        return False
+    try:
+        return get_backend(handle.backend).status(handle).state.is_terminal
+    except Exception:
+        return True
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the logs; with ``-f`` keep following them until the job is over."""
-    from cyclone_kit.runinfo import read_run
+    from cyclone_kit.rundir import read_run
 
     run_dir = resolve_run_dir(args.target, Path(args.runs_dir))
     rec = read_run(run_dir)

@@ -57,10 +57,17 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  {row['study']} [{row['strategy']}, {row['mode']}] N={int(row['world_size'])}: "
             f"{row['samples_per_s']:.1f} samples/s, speed-up {row['speedup']:.2f}, "
-            f"efficiency {100 * row['efficiency']:.1f} %"
+            f"efficiency {100 * row['efficiency']:.1f} %, "
+            f"{row['device_hours_per_1m_samples']:.3g} device-hours per 1M samples"
         )
     for fit in result.fits:
-        print(f"  {fit.study} [{fit.strategy}]: {fit.law} serial fraction s = {fit.serial_fraction:.4f}")
+        verdict = result.checks.fit(fit.study, fit.strategy)
+        if verdict is not None and not verdict.meaningful:
+            print(f"  {fit.study} [{fit.strategy}]: no meaningful fit ({verdict.reason})")
+        else:
+            print(f"  {fit.study} [{fit.strategy}]: {fit.law} serial fraction s = {fit.serial_fraction:.4f}")
+    for line in result.checks.warnings:
+        sys.stderr.write(f"warning: {line}\n")
     if table.empty:
         sys.stderr.write("warning: no complete run: the report lists the incomplete runs only\n")
     print(f"report: {result.out_dir / 'report.html'}")

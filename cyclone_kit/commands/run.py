@@ -40,12 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
-    from cyclone_kit.backends.local import FAILURE_FILE, format_failure, launch, local_job
+    from cyclone_kit.backends.local import LocalBackend, format_failure, launch, local_job
     from cyclone_kit.config import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.errors import ValidationError
     from cyclone_kit.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
     from cyclone_kit.launch import rank_command
-    from cyclone_kit.rundir import create_run_dir, write_atomic
+    from cyclone_kit.rundir import RunDir
 
     for flag in ("nproc", "nodes", "threads"):
         value = getattr(args, flag)
@@ -54,14 +54,14 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise ValidationError(f"--timeout={args.timeout:g} must be positive", hint="e.g. --timeout 600")
     if args.resume:
-        run_dir = Path(args.resume).absolute()
-        if not (run_dir / "spec.json").is_file():
+        rd = RunDir(Path(args.resume).absolute())
+        if not rd.is_run_dir():
             raise ValidationError(f"--resume {args.resume!r} is not a run directory (no spec.json)",
                                   hint="give the run dir printed by the first `run`")
         if args.spec or args.overrides or args.module or getattr(args, "script_args", None):
             raise ValidationError("--resume takes the run directory's own spec",
                                   hint="drop SPEC, SCRIPT, -m, -- ARGS and --set, or start a new run without --resume")
-        job = local_job(load_spec(run_dir / "spec.json"), args.nproc, args.nodes, args.threads)
+        job = local_job(load_spec(rd.spec), args.nproc, args.nodes, args.threads)
     else:
         spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
         if args.horovod:
@@ -72,27 +72,27 @@ def run(args: argparse.Namespace) -> int:
 
             spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher="horovod"))
         job = fill_args(local_job(spec, args.nproc, args.nodes, args.threads))
-        run_dir = create_run_dir(Path(args.runs_dir).absolute(), job.spec.name,
-                                 {"spec.json": json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n",
-                                  **script_files(job.spec)})
+        rd = RunDir.create(Path(args.runs_dir).absolute(), job.spec.name,
+                           json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n", script_files(job.spec))
+    run_dir = rd.path
     print(f"run dir: {run_dir}")
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
-          f"logs in {run_dir / 'logs'}", flush=True)
+          f"logs in {rd.logs}", flush=True)
+    print(f"run dir: {run_dir}")
+    print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
+          f"logs in {rd.logs}", flush=True)
     result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
                     command=rank_command(job.spec, run_dir),
                     timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
                     extra_env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None)
-    write_atomic(run_dir / "job_id", result.job_id + "\n")
-    write_atomic(run_dir / "backend", "local\n")
+    rd.write_submission(result.job_id, LocalBackend.name)
     if result.ok:
-        from cyclone_kit.runinfo import last_end_status
-
-        status = last_end_status(run_dir / "metrics.jsonl") or "ended"
+        status = rd.end_status() or "ended"
         hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""
-        print(f"{status} in {result.wall_time_s:.1f} s; metrics: {run_dir / 'metrics.jsonl'}{hint}")
+        print(f"{status} in {result.wall_time_s:.1f} s; metrics: {rd.metrics}{hint}")
         return 0
     if result.first_failure is None:
-        sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {run_dir / FAILURE_FILE}\n")
+        sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {rd.failure}\n")
         return result.returncode
     sys.stderr.write(format_failure(result) + "\n")
     return result.returncode

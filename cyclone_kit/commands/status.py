@@ -17,28 +17,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def row_for(target: str) -> tuple[list[str], str | None]:
-    """Status columns for one job id or run directory, and its root cause line (if failed)."""
-    from cyclone_kit.runinfo import read_run
+    """Status columns for one job id or run directory, and its root cause line (if failed).
+
+    A run directory is asked through the backend it recorded (:func:`cyclone_kit.backends.base.handle_of`);
+    a bare job id is a Slurm job.
+    """
+    from cyclone_kit.backends import get_backend
+    from cyclone_kit.backends.base import handle_of
+    from cyclone_kit.rundir import read_run
 
     path = Path(target)
     if path.is_dir() or not target.replace("_", "").isdigit():
         rec = read_run(path)
-        cause = rec.root_cause
-        if rec.job_id and rec.backend in (None, "slurm", "submitit") and not rec.job_id.startswith("local"):
-            info = _slurm_status(rec.job_id)
-            return [info.job_id, rec.name, info.state.value, str(info.nodes), _elapsed(info.elapsed),
-                    info.reason or "-"], cause
-        state = {"completed": "COMPLETED", "preempted": "PREEMPTED", "failed": "FAILED"}.get(
-            rec.end_status or "", "FAILED" if cause else "UNKNOWN")
-        return [rec.job_id or "-", rec.name, state, "-", "-", "-"], cause
-    info = _slurm_status(target)
+        handle = handle_of(path)
+        if handle is None:  # never submitted: what the run directory itself says
+            from cyclone_kit.backends.local import run_dir_status
+
+            info = run_dir_status("-", path)
+        else:
+            info = get_backend(handle.backend).status(handle)
+        known = bool(info.nodes)  # a finished foreground run has no scheduler figures
+        return [info.job_id, rec.name, info.state.value, str(info.nodes) if known else "-",
+                _elapsed(info.elapsed) if known else "-", info.reason or "-"], rec.root_cause
+    info = get_backend("slurm").status(target)
     return [info.job_id, info.name, info.state.value, str(info.nodes), _elapsed(info.elapsed), info.reason or "-"], None
-
-
-def _slurm_status(job_id: str):
-    from cyclone_kit.backends import get_backend
-
-    return get_backend("slurm").status(job_id)
 
 
 def _elapsed(seconds: int) -> str:
@@ -50,7 +52,7 @@ def _elapsed(seconds: int) -> str:
 def run(args: argparse.Namespace) -> int:
     """Print the table; root causes of failed runs are printed above it."""
     from cyclone_kit.errors import ValidationError
-    from cyclone_kit.runinfo import find_runs
+    from cyclone_kit.rundir import find_runs
 
     targets = [args.target] if args.target else [str(p) for p in find_runs(Path(args.runs_dir))[:20]]
     if not targets:

@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from cyclone_kit.errors import CycloneError
@@ -37,14 +37,16 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         Exception: any training failure. In both cases the rank's error record is written first.
     """
     from cyclone_kit.config import load_spec
+    from cyclone_kit.failures import rank_guess
+    from cyclone_kit.rundir import RunDir
     from cyclone_kit.runtime.env import detect
     from cyclone_kit.runtime.signals import StopFlag
 
     environ = os.environ
     run_dir = Path(run_dir)
-    rank, host = _guess_rank(environ), environ.get("SLURMD_NODENAME") or socket.gethostname()
+    rank, host = rank_guess(environ), environ.get("SLURMD_NODENAME") or socket.gethostname()
     try:
-        spec = load_spec(Path(spec_path) if spec_path else run_dir / "spec.json")
+        spec = load_spec(Path(spec_path) if spec_path else RunDir(run_dir).spec)
         # Catch the requeue signal (and SIGTERM) before the slow imports below.
         stop_flag = StopFlag(spec.checkpoint.signal).install()
         env = detect(environ)
@@ -57,7 +59,7 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         return 0
     except BaseException as exc:
         try:
-            from cyclone_kit.runtime.metrics import write_error_record
+            from cyclone_kit.failures import write_error_record
 
             write_error_record(run_dir, rank, host, exc, traceback.format_exc())
         except OSError as write_error:
@@ -81,14 +83,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if watchdog.wanted(os.environ):  # under Slurm: a parent records how this rank died (see watchdog)
         rest = list(sys.argv[1:] if argv is None else argv)
         return watchdog.supervise([sys.executable, "-m", "cyclone_kit.runtime", *rest], args.run_dir)
+    from cyclone_kit.failures import rank_guess
+
     try:
         return run_training(args.run_dir, args.spec)
     except CycloneError as e:
-        _die(f"error: [rank {_guess_rank(os.environ)}] {e}\n", e.exit_code)
+        _die(f"error: [rank {rank_guess(os.environ)}] {e}\n", e.exit_code)
     except KeyboardInterrupt:
         _die("error: interrupted\n", 130)
     except BaseException:
-        _die(f"cyclone_kit: rank {_guess_rank(os.environ)} failed:\n{traceback.format_exc()}", 1)
+        _die(f"cyclone_kit: rank {rank_guess(os.environ)} failed:\n{traceback.format_exc()}", 1)
     return 1  # not reached
 
 
@@ -98,14 +102,6 @@ def _die(message: str, code: int) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(code)
-
-
-def _guess_rank(environ: Mapping[str, str]) -> int:
-    for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SUBMITIT_LOCAL_GLOBALID"):
-        raw = environ.get(key, "")
-        if raw.isdigit():
-            return int(raw)
-    return 0
 
 
 if __name__ == "__main__":

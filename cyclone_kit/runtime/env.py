@@ -32,13 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from cyclone_kit.errors import ValidationError
-from cyclone_kit.render import PORT_BASE, PORT_SPAN
+from cyclone_kit.ports import PORT_BASE, job_port
 from cyclone_kit.slurm.hostlist import expand, expand_tasks_per_node
 
 #: Launcher names :func:`detect` reports.
 LAUNCHERS = ("torchrun", "slurm", "submitit", "openmpi", "mpich", "single")
-#: Distinct ports a job id leaves for its steps in :func:`default_port`.
-STEPS_PER_JOB = 16
 _LOCALHOST = "127.0.0.1"
 
 
@@ -134,15 +132,8 @@ def check_consistent(env: DistEnv) -> None:
 
 
 def default_port(job_id: str | None, step_id: str | None = None) -> int:
-    """The rendezvous port of a job step: ``PORT_BASE + (job*16 + step % 16) % PORT_SPAN``.
-
-    Distinct for any two (job, step) pairs whose job ids differ by less than
-    ``PORT_SPAN / 16`` = 1000 and whose steps are below 16, so concurrent jobs (and concurrent
-    steps of one job) sharing a node do not collide. Non-numeric or missing ids count as 0.
-    """
-    job = _int_or_zero(job_id)
-    step = _int_or_zero(step_id) % STEPS_PER_JOB
-    return PORT_BASE + (job * STEPS_PER_JOB + step) % PORT_SPAN
+    """The rendezvous port of a job step when MASTER_PORT is not set: :func:`cyclone_kit.ports.job_port`."""
+    return job_port(job_id, step_id)
 
 
 def detect(environ: Mapping[str, str]) -> DistEnv:
@@ -368,7 +359,3 @@ def _int_first(environ: Mapping[str, str], keys: tuple[str, ...], default: int) 
         if environ.get(key, "").strip():
             return _int(environ, key, default)
     return default
-
-
-def _int_or_zero(value: str | None) -> int:
-    return int(value) if value and value.strip().isdigit() else 0

@@ -1,82 +1,40 @@
-"""The metrics contract (schema 1): ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/ranks/rank-NNNNN.json``.
+"""The runtime's writer of the metrics contract (:mod:`cyclone_kit.contract`, schema 1).
 
-One JSON object a line, each with ``"kind"`` and ``"schema": 1``, written by rank 0 and flushed
-per line (a crash loses at most the line being written):
-
-* ``start``: run_id, world_size, num_nodes, local_world_size, per_device_batch_size,
-  global_batch_size, model, dataset, precision, strategy, launcher, device, device_name,
-  hostnames, slurm_job_id, time, versions {torch, torchvision, cyclone_kit}, git_commit,
-  restart_count.
-* ``step`` (every ``train.log_every`` steps): step, epoch, loss, step_time_s, data_time_s,
-  samples_per_s (global), time.
-* ``epoch``: epoch, val_accuracy (or null), epoch_time_s.
-* ``end``: status (completed/preempted/failed), steps, samples_per_s (global steady state:
-  median over the logged windows after warm-up), wall_time_s, time.
-
-A requeued or resumed run appends another start ... end segment. Record builders are pure;
-:class:`MetricsWriter` is the only code that touches the file.
+The records, their fields, the file names and the schema version are defined in
+:mod:`cyclone_kit.contract` (re-exported here for the engines: ``mx.step_record`` ...);
+:class:`MetricsWriter` is the only code that appends to ``metrics.jsonl``, one line a record,
+flushed per line (a crash loses at most the line being written). Error records belong to
+:mod:`cyclone_kit.failures` (``write_error_record`` is re-exported here).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import os
-import statistics
 import subprocess
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from cyclone_kit.rundir import write_atomic
+from cyclone_kit.contract import (
+    METRICS_FILE,
+    SCHEMA,
+    STATUSES,
+    end_record,
+    epoch_record,
+    rank_summary,
+    record,
+    steady_state,
+    step_record,
+    utc_now,
+)
+from cyclone_kit.failures import write_error_record
+from cyclone_kit.fileio import write_atomic
+from cyclone_kit.rundir import RunDir
 
-SCHEMA = 1
-METRICS_FILE = "metrics.jsonl"
-STATUSES = ("completed", "preempted", "failed")
-
-
-def utc_now() -> str:
-    """The current time as ISO-8601 UTC with milliseconds (``2026-01-31T12:00:00.000+00:00``)."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
-def record(kind: str, **fields: Any) -> dict[str, Any]:
-    """A metrics record: ``kind`` and ``schema`` first, then the fields (pure)."""
-    return {"kind": kind, "schema": SCHEMA, **fields}
-
-
-def step_record(step: int, epoch: int, loss: float, step_time_s: float, data_time_s: float,
-                samples_per_s: float, time: str) -> dict[str, Any]:
-    """A ``step`` record (pure)."""
-    return record("step", step=step, epoch=epoch, loss=loss, step_time_s=step_time_s, data_time_s=data_time_s,
-                  samples_per_s=samples_per_s, time=time)
-
-
-def epoch_record(epoch: int, val_accuracy: float | None, epoch_time_s: float, time: str) -> dict[str, Any]:
-    """An ``epoch`` record (pure)."""
-    return record("epoch", epoch=epoch, val_accuracy=val_accuracy, epoch_time_s=epoch_time_s, time=time)
-
-
-def end_record(status: str, steps: int, samples_per_s: float | None, wall_time_s: float, time: str) -> dict[str, Any]:
-    """An ``end`` record (pure); ``status`` is one of :data:`STATUSES`."""
-    if status not in STATUSES:
-        raise ValueError(f"unknown end status {status!r}")
-    return record("end", status=status, steps=steps, samples_per_s=samples_per_s, wall_time_s=wall_time_s,
-                  time=time)
-
-
-def steady_state(window_rates: Sequence[float], warmup_windows: int = 1) -> float | None:
-    """Median of the logged windows' samples/s after the first ``warmup_windows`` (pure).
-
-    With too few windows the warm-up ones are kept rather than returning nothing; None when
-    there is no window at all.
-    """
-    rates = [r for r in window_rates if r > 0]
-    if not rates:
-        return None
-    steady = rates[warmup_windows:] if len(rates) > warmup_windows else rates
-    return float(statistics.median(steady))
+__all__ = [
+    "METRICS_FILE", "SCHEMA", "STATUSES", "MetricsWriter", "end_record", "epoch_record", "git_commit", "record",
+    "steady_state", "step_record", "utc_now", "write_error_record", "write_rank_summary",
+]
 
 
 def git_commit(directory: str | Path) -> str | None:
@@ -131,25 +89,15 @@ class MetricsWriter:
 
 
 def write_rank_summary(run_dir: Path, rank: int, host: str, device: str, samples_per_s: float | None,
-                       peak_memory_bytes: int | None) -> Path:
-    """Write ``ranks/rank-<rank:05d>.json`` atomically; returns its path."""
-    folder = Path(run_dir) / "ranks"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"rank-{rank:05d}.json"
-    data = {"rank": rank, "host": host, "device": device, "samples_per_s": samples_per_s,
-            "peak_memory_bytes": peak_memory_bytes}
-    write_atomic(path, json.dumps(data) + "\n")
-    return path
+                       peak_memory_bytes: int | None, energy_j: float | None = None) -> Path:
+    """Write ``ranks/rank-<rank:05d>.json`` atomically; returns its path.
 
-
-def write_error_record(run_dir: Path, rank: int, host: str, exc: BaseException, traceback_text: str) -> Path:
-    """Write ``ranks/error-rank-<rank:05d>.json`` (rank, host, type, message, traceback, time, pid)."""
-    folder = Path(run_dir) / "ranks"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"error-rank-{rank:05d}.json"
-    data = {"rank": rank, "host": host, "type": type(exc).__name__, "message": str(exc),
-            "traceback": traceback_text, "time": utc_now(), "pid": os.getpid()}
-    write_atomic(path, json.dumps(data, indent=1) + "\n")
+    ``energy_j``: the rank's GPU energy from NVML (:mod:`cyclone_kit.runtime.power`); left out when not measured.
+    """
+    path = RunDir(run_dir).rank_summary(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summary = rank_summary(rank, host, device, samples_per_s, peak_memory_bytes, energy_j=energy_j)
+    write_atomic(path, json.dumps(summary) + "\n")
     return path
 
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from cyclone_kit.config import JobSpec
 from cyclone_kit.errors import ValidationError
+from cyclone_kit.rundir import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import auto_workers, build_data
@@ -362,12 +363,12 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
         ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
     """
     from cyclone_kit.runtime.train import (
-        _gather_hosts,
-        _seed_everything,
         begin_segment,
+        gather_hosts,
         lr_factor,
         make_plan,
         resolve_precision,
+        seed_everything,
     )
 
     t_start = time.perf_counter()
@@ -386,10 +387,10 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     if device.warning and env.local_rank == 0:
         warn(device.warning)
     dev = torch.device(device.torch_device)
-    _seed_everything(tc.seed)
+    seed_everything(tc.seed)
     distributed = init_process_group(env, device, tc.pg_timeout_s)
     host = env.host or socket.gethostname()
-    hostnames = _gather_hosts(host, distributed)
+    hostnames = gather_hosts(host, distributed)
 
     # No data parallelism: every stage reads the batches a world of one would read.
     solo = dataclasses.replace(env, rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
@@ -409,7 +410,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     stage, shape = stages[env.rank], shapes[env.rank]
     del model, stages
     module = stage.module.to(dev)
-    _seed_everything(tc.seed + env.rank)
+    seed_everything(tc.seed + env.rank)
     params = list(module.parameters())
     optimizer = torch.optim.SGD(params, lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan.warmup_steps,
@@ -589,7 +590,7 @@ class _State:
             }
             if self.scaler is not None:
                 state["loss_scale"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.spec.checkpoint.keep)
+            ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.spec.checkpoint.keep)
         if self.distributed:  # the others wait while rank 0 writes: on gloo, off NCCL's watchdog
             import torch.distributed as dist
 
@@ -597,7 +598,7 @@ class _State:
 
     def resume(self) -> int:
         """Load the newest checkpoint (chosen by rank 0) into this stage; returns its step (0 if none)."""
-        folder = self.run_dir / "checkpoints"
+        folder = RunDir(self.run_dir).checkpoints
         found = ckpt.load_latest(folder) if self.env.is_main else None
         choice: list[Any] = [str(found[1]) if found else None]
         if self.distributed:

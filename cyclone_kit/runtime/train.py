@@ -34,8 +34,10 @@ from torch import nn
 from cyclone_kit import __version__
 from cyclone_kit.config import JobSpec, TrainConfig
 from cyclone_kit.errors import CommandError, ValidationError
+from cyclone_kit.rundir import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
+from cyclone_kit.runtime import power
 from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import (
     DeviceChoice,
@@ -334,7 +336,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     if device.warning and env.local_rank == 0:
         warn(device.warning)
     dev = torch.device(device.torch_device)
-    _seed_everything(tc.seed)
+    seed_everything(tc.seed)
     if tc.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -345,7 +347,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     distributed = init_process_group(env, device, tc.pg_timeout_s,
                                      backend="gloo" if tc.strategy == "horovod" else None)
     host = env.host or socket.gethostname()
-    hostnames = _gather_hosts(host, distributed)
+    hostnames = gather_hosts(host, distributed)
 
     channels_last = tc.channels_last and device.kind == "cuda"
     workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
@@ -356,7 +358,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
     model = place_model(build_model(tc.model, data.info.num_classes, data.info.image_size, data.info.channels),
                         dev, tc.strategy, channels_last)
-    _seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
+    seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
     wrapped = wrap_model(tc.strategy, model, device, tc, distributed)
     runner = torch.compile(wrapped) if tc.compile else wrapped
     optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
@@ -366,7 +368,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         optimizer, lambda s: lr_factor(s, plan.warmup_steps, plan.total_steps))
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
 
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = RunDir(run_dir).checkpoints
     step = 0
     if cc.resume:
         found = _agreed_checkpoint(ckpt_dir, env, distributed)
@@ -425,6 +427,7 @@ class _Loop:
         self.sharded = spec.train.strategy == "fsdp" and distributed
         self.no_sync = _fsdp_no_sync(wrapped) if self.sharded else getattr(wrapped, "no_sync", None)
         self.bar: Any = None
+        self.energy = power.start_meter(dev)  # NVML, GPU runs with nvidia-ml-py only; None otherwise
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
     def _step(self, batches: Any, window: _Window, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -582,7 +585,7 @@ class _Loop:
         if self.sharded and self.cc.sharded:  # every rank writes its own shards (runtime/fsdp_ckpt.py)
             from cyclone_kit.runtime import fsdp_ckpt
 
-            entries = fsdp_ckpt.save_sharded(self.run_dir / "checkpoints", step, self.model, self.optimizer)
+            entries = fsdp_ckpt.save_sharded(RunDir(self.run_dir).checkpoints, step, self.model, self.optimizer)
             model_state, optim_state, optim_format = entries["model"], None, fsdp_ckpt.FORMAT
         elif self.sharded:  # a collective: every rank takes part, rank 0 keeps the full tensors
             from torch.distributed.checkpoint.state_dict import (
@@ -613,11 +616,11 @@ class _Loop:
             }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(self.run_dir / "checkpoints", state, step, self.cc.keep)
+            ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.cc.keep)
             if optim_format == "dcp":
                 from cyclone_kit.runtime import fsdp_ckpt
 
-                fsdp_ckpt.prune(self.run_dir / "checkpoints")
+                fsdp_ckpt.prune(RunDir(self.run_dir).checkpoints)
         if self.distributed:  # the others wait while rank 0 writes and fsyncs: on gloo, off NCCL's watchdog
             import torch.distributed as dist
 
@@ -632,7 +635,8 @@ class _Loop:
 
             peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         mx.write_rank_summary(self.run_dir, self.env.rank, self.host, self.device.torch_device,
-                              mx.steady_state(self.local_rates), peak)
+                              mx.steady_state(self.local_rates), peak,
+                              energy_j=self.energy.stop() if self.energy is not None else None)
 
     def _after_stop(self, agreed: int) -> None:
         if not self.env.is_main:
@@ -724,7 +728,8 @@ def _agreed_checkpoint(folder: Path, env: DistEnv, distributed: bool) -> tuple[d
     return ckpt.load_checkpoint(path), path
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's and numpy's generators (the same start on every engine)."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -735,7 +740,7 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
-def _gather_hosts(host: str, distributed: bool) -> list[str]:
+def gather_hosts(host: str, distributed: bool) -> list[str]:
     """Every rank's host, deduplicated in rank order (rank 0's node first)."""
     hosts = [host]
     if distributed:

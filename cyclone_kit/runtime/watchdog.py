@@ -15,8 +15,8 @@ time, and it:
 * forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 that reach the watchdog alone (a
   second copy of a signal is harmless: the rank's handler only records it);
 * when the child dies by a signal the watchdog did not pass on, writes the rank's error record
-  (rank, host, pid, signal, exit code, time of death) and ``failure.json`` (first writer wins,
-  ``O_EXCL``), the one-line root cause that ``status`` and ``logs`` print;
+  (rank, host, pid, signal, exit code, time of death) and ``failure.json`` (first writer wins),
+  both through :mod:`cyclone_kit.failures`, whose root cause ``status`` and ``logs`` print;
 * ends the same way as its child (re-raising the child's signal, or its exit code), so srun
   sees the failure and stops the other tasks.
 
@@ -27,26 +27,22 @@ Entry points: :func:`supervise` (used by ``python -m cyclone_kit.runtime`` under
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+
+from cyclone_kit.failures import death_line, death_record, host_guess, rank_guess, record_death, utc_now
 
 #: Set in the child's environment so that it does not start a watchdog of its own.
 CHILD_VAR = "CYCLONE_WATCHDOG_CHILD"
 #: ``CYCLONE_WATCHDOG=0`` turns the watchdog off (``1`` forces it on outside Slurm).
 SWITCH_VAR = "CYCLONE_WATCHDOG"
-FAILURE_FILE = "failure.json"
 #: Signals passed on to the rank.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-_RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SUBMITIT_LOCAL_GLOBALID")
 
 
 def wanted(environ: Mapping[str, str]) -> bool:
@@ -67,84 +63,11 @@ def wanted(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_ARRAY_JOB_ID"))
 
 
-def rank_of(environ: Mapping[str, str]) -> int:
-    """This process's global rank from the launcher's variables (0 when none says)."""
-    for key in _RANK_VARS:
-        raw = environ.get(key, "")
-        if raw.isdigit():
-            return int(raw)
-    return 0
-
-
-def host_of(environ: Mapping[str, str]) -> str:
-    """The node name as Slurm knows it, else the host name."""
-    return environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def signal_label(signum: int) -> str:
-    """``9`` -> ``"SIGKILL"`` (``"signal 99"`` for numbers Python has no name for)."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def death_record(rank: int, host: str, pid: int, returncode: int, when: str, job_id: str | None = None) -> dict[str, Any]:
-    """The error record of a rank that died without writing one (pure).
-
-    ``returncode`` is :attr:`subprocess.Popen.returncode`: negative for a signal.
-    """
-    record: dict[str, Any] = {"rank": rank, "host": host, "pid": pid, "time": when, "source": "watchdog"}
-    if returncode < 0:
-        name = signal_label(-returncode)
-        record.update(signal=name, exit_code=128 - returncode, type="KilledBySignal",
-                      message=f"the rank process was killed by {name} and could not write an error record")
-    else:
-        record.update(signal=None, exit_code=returncode, type="ExitedWithoutRecord",
-                      message=f"the rank process exited with code {returncode} without writing an error record")
-    if job_id:
-        record["slurm_job_id"] = job_id
-    return record
-
-
-def root_cause_line(record: Mapping[str, Any]) -> str:
-    """``rank 1 on host c1 (pid 123) killed by SIGKILL`` (pure)."""
-    how = f"killed by {record['signal']}" if record.get("signal") else f"exited with code {record.get('exit_code')}"
-    return f"rank {record['rank']} on host {record['host']} (pid {record['pid']}) {how}"
-
-
-def write_records(run_dir: Path, record: Mapping[str, Any]) -> None:
-    """Write ``ranks/error-rank-N.json`` (unless the rank wrote one) and ``failure.json`` (unless one exists)."""
-    run_dir = Path(run_dir)
-    ranks = run_dir / "ranks"
-    ranks.mkdir(parents=True, exist_ok=True)
-    own = ranks / f"error-rank-{int(record['rank']):05d}.json"
-    if not own.exists():
-        _write_new(own, json.dumps(dict(record), indent=1) + "\n")
-    failure = {"kind": "failure", "root_cause": root_cause_line(record), "first": dict(record),
-               "written_by": "watchdog"}
-    _write_new(run_dir / FAILURE_FILE, json.dumps(failure, indent=2) + "\n")
-
-
-def _write_new(path: Path, text: str) -> bool:
-    """Create ``path`` with ``text`` unless it exists (the first writer wins); True when written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, path)  # atomic, and fails when the file already exists
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
-def _utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+#: The failure-record helpers, re-exported under the names callers of this module know.
+rank_of = rank_guess
+host_of = host_guess
+root_cause_line = death_line
+write_records = record_death
 
 
 def supervise(argv: Sequence[str], run_dir: Path | str | None, environ: Mapping[str, str] | None = None) -> int:
@@ -182,12 +105,12 @@ def supervise(argv: Sequence[str], run_dir: Path | str | None, environ: Mapping[
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    when = _utc_now()
+    when = utc_now()
     if code < 0 and target and -code not in forwarded:
-        record = death_record(rank_of(base), host_of(base), child.pid, code, when, base.get("SLURM_JOB_ID"))
+        record = death_record(rank_guess(base), host_guess(base), child.pid, code, when, base.get("SLURM_JOB_ID"))
         try:
-            write_records(Path(target), record)
-            sys.stderr.write(f"cyclone_kit: watchdog: {root_cause_line(record)}\n")
+            record_death(Path(target), record)
+            sys.stderr.write(f"cyclone_kit: watchdog: {death_line(record)}\n")
         except OSError as e:
             sys.stderr.write(f"cyclone_kit: watchdog: could not write the error record: {e}\n")
         sys.stderr.flush()

@@ -48,6 +48,15 @@ def check_job_id(job_id: str) -> str:
     return text
 
 
+def dependency(after: Sequence[str], kind: str = "afterany") -> str:
+    """``afterany:1:2``: the sbatch dependency on every job in ``after`` (pure).
+
+    Raises:
+        ValidationError: an id is not a Slurm job id.
+    """
+    return f"{kind}:{':'.join(check_job_id(str(j)) for j in after)}"
+
+
 def sbatch(script: str | os.PathLike[str], extra: Sequence[str] = ()) -> list[str]:
     """``sbatch --parsable [extra...] SCRIPT``: prints ``JOBID`` or ``JOBID;CLUSTER``."""
     return ["sbatch", "--parsable", *extra, os.fspath(script)]

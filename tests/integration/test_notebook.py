@@ -1,4 +1,5 @@
-"""Execute analysis/scaling_report.ipynb on a synthetic study; its numbers must equal `report`'s."""
+"""Execute analysis/scaling_report.ipynb in a real kernel: on a synthetic study (its numbers must equal
+`report`'s) and, with its default parameters, right after the demo (scripts/demo.sh, what `make demo` runs)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,61 @@ def test_notebook_reproduces_the_report(tmp_path: Path, kernel_name: str, monkey
     assert result.table["speedup"].tolist() == pytest.approx([1.0, 1.85, 3.4])
 
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 3  # speed-up, efficiency, throughput per device, shown inline
+    assert len(images) == 4  # speed-up, efficiency, throughput per device, cost, shown inline
     assert any("text/html" in o.get("data", {}) for o in outputs)  # the table, rendered
     assert "nb-strong [ddp]: amdahl s = " in text  # the fitted law is printed
     assert "no end record" in json.dumps([o.get("data", {}) for o in outputs])  # incomplete run listed
+
+
+def _run_notebook(nb, cwd: Path, kernel_name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list, str]:
+    """Execute ``nb`` with the kernel in ``cwd``; returns (outputs, all stream text)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    client = nbclient.NotebookClient(nb, timeout=180, kernel_name=kernel_name,
+                                     resources={"metadata": {"path": str(cwd)}})
+    client.execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"], [
+        o.get("evalue") for o in outputs if o.get("output_type") == "error"]
+    return outputs, "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+
+
+def test_default_notebook_shows_the_newest_demo_study_and_its_warnings(
+    tmp_path: Path, kernel_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 17.4: `make demo`, then open the notebook (kernel in analysis/) and run all cells unchanged."""
+    checkout = tmp_path / "checkout"  # stands for the repository: runs/ next to analysis/
+    (checkout / "analysis").mkdir(parents=True)
+    env = {**os.environ, "PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    demo = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh"), str(checkout / "runs")], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    studies = sorted((checkout / "runs").glob("demo-strong-*"))
+    assert len(studies) == 1
+    # An older, empty demo study (a sweep that failed before any run started) must not be picked.
+    (checkout / "runs" / "demo-strong-20000101-000000").mkdir()
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    params = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert "STUDY = None" in params[0].source  # the shipped default, not edited here
+    outputs, text = _run_notebook(nb, checkout / "analysis", kernel_name, monkeypatch)
+
+    assert f"study: {studies[0].resolve()}" in text
+    assert "2 run(s): 2 complete" in text
+    html = json.dumps([o.get("data", {}) for o in outputs])
+    assert "demo-strong" in html and "device_hours_per_1m_samples" in html  # the scaling table, rendered
+    # The same rules the report applies, printed in the notebook: every warning of the demo's study.
+    from cyclone_kit.analysis import fit_scaling_laws, load_runs, scaling_table
+    from cyclone_kit.analysis.honesty import review
+
+    data = load_runs(studies[0], warn=False)
+    table = scaling_table(data.runs)
+    expected = review(data.runs, data.steps, table, fit_scaling_laws(table)).warnings
+    for line in expected:
+        assert f"warning: {line}" in text
+    if not expected:
+        assert "no warnings:" in text
+    # One doubling (1 -> 2 CPU processes): the fit is exact through one point, and says so.
+    assert "demo-strong [ddp]:" in text
+    assert "one point beyond N0" in text or "no meaningful fit" in text
+    assert len([o for o in outputs if "image/png" in o.get("data", {})]) == 4

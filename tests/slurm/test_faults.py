@@ -21,7 +21,7 @@ import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.errors import CycloneError
-from cyclone_kit.runinfo import root_cause
+from cyclone_kit.failures import root_cause
 from cyclone_kit.slurm.states import JobState
 from tests.conftest import REPO, run_cli
 

@@ -36,7 +36,9 @@ def test_strong_scaling_study_on_slurm(slurm_cluster: dict[str, str], tmp_path: 
     assert [p["world_size"] for p in sweep["points"]] == [1, 2, 4]
     # serial = true: each point waits for the previous one
     ids = [r["job_id"] for r in submitted["runs"]]
-    assert f"#SBATCH --dependency=afterany:{ids[0]}\n" in (study / "p1-ws2-n1x2" / "job.sbatch").read_text()
+    # issue 13: the chain is an sbatch argument (--dependency=afterany:ID), never text spliced into job.sbatch
+    assert submitted["runs"][1]["after"] == [ids[0]] and submitted["runs"][2]["after"] == [ids[1]]
+    assert "--dependency" not in (study / "p1-ws2-n1x2" / "job.sbatch").read_text()
     assert f"--dependency=afterany:{':'.join(ids)}\n" in (study / "report.sbatch").read_text()
     start = json.loads((study / "p2-ws4-n2x2" / "metrics.jsonl").read_text().splitlines()[0])
     assert (start["world_size"], start["num_nodes"], start["hostnames"]) == (4, 2, ["c1", "c2"])

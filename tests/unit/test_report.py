@@ -105,13 +105,19 @@ def test_markdown_has_setup_table_baselines_incomplete_runs_and_warnings(report)
         # Per-rank table: slowest 60 vs median 75 -> 0.80, flagged; peak memory 3 GiB.
         "| rank 1 on gpu02 | 0.80 (straggler) | 3.00 |",
         "## Step timing",
-        # 4 GPUs: 320 / 40 = 8.00 times colab; 320 / 200 = 1.60 times the published row.
-        "4 GPUs here = 8.00 times colab", "4 GPUs here = 1.60 times ref-v100",
+        # 4 GPUs: 320 / 40 = 8.00 times colab; the published row (resnet50) gets no headline ratio,
+        # but its raw ratios stay in the table (320 / 200 = 1.60).
+        "4 GPUs here = 8.00 times colab",
         "| 2 GPUs here | 4.50x (2.25x per device) | 0.90x (0.45x per device) |",
+        "| 4 GPUs here | 8.00x (2.00x per device) | 1.60x (0.40x per device) |",
     ):
         assert expected in md, expected
-    assert "colab (Tesla T4, 1 device(s))." in md  # same model and dataset: no caveat
-    assert "ref-v100 (V100, 1 device(s)) (not like for like: model resnet50 vs resnet18)" in md
+    # Same model, dataset, precision and per-device batch: a headline, stating the device that differs.
+    assert "colab (Tesla T4, 1 device(s)); differs: device Tesla T4 vs Tesla V100-SXM2-32GB." in md
+    # Issue 17: a different model refuses the headline ratio, and says why.
+    assert ("cifar-strong (ddp) vs ref-v100 (V100, 1 device(s)): no headline ratio, not like for like "
+            "(model differs; the baseline does not state its precision; differs: model resnet50 vs resnet18)") in md
+    assert "times ref-v100" not in md
 
 
 def test_baselines_csv_and_result(report) -> None:

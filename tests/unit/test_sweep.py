@@ -223,16 +223,15 @@ def test_shipped_sweep_files_are_valid_toml() -> None:
         assert "sweep" in tomllib.loads((REPO / "jobs" / name).read_text())
 
 
-def test_with_dependency_adds_one_header_line() -> None:
-    from cyclone_kit.sweep import with_dependency
+def test_dependencies_are_sbatch_arguments_not_script_text() -> None:
+    """Issue 13: a dependency is ``sbatch --dependency=afterany:ID:ID``, never spliced into a rendered script."""
+    from cyclone_kit.slurm import argv as slurm_argv
 
-    script = "#!/bin/bash\n# comment\n#SBATCH --job-name=x\n#SBATCH --nodes=1\n\nsrun true\n"
-    assert with_dependency(script, ["41", "42_3"]) == (
-        "#!/bin/bash\n# comment\n#SBATCH --job-name=x\n#SBATCH --dependency=afterany:41:42_3\n#SBATCH --nodes=1\n"
-        "\nsrun true\n")
-    assert with_dependency(script, []) == script
-    with pytest.raises(ValidationError, match="not a Slurm job id"):
-        with_dependency(script, ["1 && rm -rf /"])
+    assert slurm_argv.dependency(["41", "42_3"]) == "afterany:41:42_3"
+    assert slurm_argv.sbatch("/r/job.sbatch", [f"--dependency={slurm_argv.dependency(['41'])}"]) == [
+        "sbatch", "--parsable", "--dependency=afterany:41", "/r/job.sbatch"]
+    with pytest.raises(ValidationError):
+        slurm_argv.dependency(["1 && rm -rf /"])
 
 
 def test_serial_flag_is_parsed_and_recorded() -> None:

@@ -1,0 +1,96 @@
+"""The Backend protocol: what every backend (slurm, submitit, local) implements, as a type.
+
+A backend takes a prepared run directory (:class:`cyclone_kit.rundir.RunDir`: ``spec.json``
+and ``job.sbatch`` written) and runs it somewhere. Callers that come back later (``status``,
+``cancel``, ``logs``) rebuild the :class:`JobHandle` from what the run directory recorded
+(:func:`handle_of`) and dispatch on the backend named there, never on a hard-coded name.
+Dependencies are an argument (``after``: job ids this one waits for, ``afterany``), never text
+spliced into a rendered script.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from cyclone_kit.rundir import RunDir
+
+if TYPE_CHECKING:
+    from cyclone_kit.slurm.parse import JobInfo
+
+
+class JobHandle(str):
+    """A submitted job: its id (the string itself, so it prints and compares as the id), its
+    backend's name and its run directory.
+
+    Attributes:
+        backend: the registered name of the backend that runs it.
+        run_dir: the run directory (None where unknown, e.g. a bare id typed by the user).
+    """
+
+    backend: str
+    run_dir: Path | None
+
+    def __new__(cls, job_id: str, backend: str = "slurm", run_dir: Path | str | None = None) -> JobHandle:
+        """Build a handle for ``job_id``."""
+        obj = super().__new__(cls, str(job_id))
+        obj.backend = backend
+        obj.run_dir = None if run_dir is None else Path(run_dir)
+        return obj
+
+    @property
+    def job_id(self) -> str:
+        """The job id as a plain string."""
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        """``JobHandle('123', backend='slurm')``."""
+        return f"JobHandle({self.job_id!r}, backend={self.backend!r})"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Submit a prepared run directory, ask its state, cancel it, find its logs."""
+
+    name: str
+
+    def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
+        """Run the resolved ``job`` prepared in ``run_dir``, after the jobs ``after`` ended (afterany).
+
+        The backend records the submission in the run directory (job id and its own name).
+        """
+        ...
+
+    def status(self, job: str) -> JobInfo:
+        """The job's state now (a :class:`~cyclone_kit.slurm.parse.JobInfo`)."""
+        ...
+
+    def cancel(self, job: str) -> None:
+        """Stop the job (a finished job is left as it is)."""
+        ...
+
+    def log_files(self, job: JobHandle) -> list[Path]:
+        """Every log file of the job, in a stable order."""
+        ...
+
+
+def log_files(job: JobHandle) -> list[Path]:
+    """The files under the run directory's ``logs/`` (every backend writes its logs there)."""
+    if job.run_dir is None:
+        return []
+    logs = RunDir(job.run_dir).logs
+    return sorted(p for p in logs.glob("*") if p.is_file()) if logs.is_dir() else []
+
+
+def handle_of(run_dir: Path | str) -> JobHandle | None:
+    """The handle a run directory recorded at submission (None when it was never submitted).
+
+    Run directories from before ``backend`` was recorded count as Slurm jobs.
+    """
+    rd = RunDir(Path(run_dir))
+    job_id = rd.job_id()
+    if not job_id:
+        return None
+    backend = rd.backend() or ("local" if job_id.startswith("local") else "slurm")
+    return JobHandle(job_id, backend, rd.path)

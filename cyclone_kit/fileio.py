@@ -1,0 +1,56 @@
+"""The package's one atomic writer (and its first-writer-wins variant) and a forgiving JSON reader.
+
+Every file a run directory holds is written through :func:`write_atomic` (readers never see
+half of it) or :func:`write_new` (several ranks race; the first one wins). Stdlib only: the
+watchdog and the runtime import it without cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write a file via temp file + fsync + rename, so readers never see half of it."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_new(path: Path, data: str) -> bool:
+    """Create ``path`` with ``data`` unless it exists (the first writer wins); True when written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)  # atomic, and fails when the file already exists
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def read_json(path: Path) -> Any:
+    """The JSON document in ``path``, or None when it is missing or not JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
