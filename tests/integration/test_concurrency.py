@@ -16,6 +16,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,21 @@ from tests.slurm.test_faults import cancel_quietly, job_processes, parse_submit_
 SMOKE = REPO / "jobs" / "smoke.toml"
 WHEN = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC: every directory below is made "in the same second"
 RACERS = 8
+#: Hang guard for every wait in this file (not a performance bound): the two smoke jobs take ~30 s
+#: here together; this leaves >= 10x.
+HANG_S = 600
+#: Steps of each of the two jobs: their start-up (~6 s here) and skew (Slurm starts both in one
+#: scheduling pass) do not shrink with the steps, so 600 steps keep them overlapping even on a machine
+#: 5x faster (~2.5 s of training each).
+OVERLAP_STEPS = 600
+
+_barrier: Any = None
+
+
+def _line_up(barrier: Any) -> None:
+    """Pool initializer: keep the barrier every racer waits on."""
+    global _barrier
+    _barrier = barrier
 
 
 # --------------------------------------------------------------------------- run directories
@@ -58,18 +74,20 @@ def test_prepare_run_dir_twice_at_once_gives_two_complete_runs(tmp_path: Path) -
         assert json.loads((run_dir / "spec.json").read_text())["name"] == "smoke"
 
 
-def _race(args: tuple[str, int, float]) -> str:
-    runs_dir, index, start_at = args
-    while time.time() < start_at:  # line up: every racer creates its directory at the same moment
-        pass
+def _race(args: tuple[str, int]) -> str:
+    runs_dir, index = args
+    assert _barrier is not None
+    # Line up on an event, not a clock: every racer creates its directory once all of them are up
+    # (each racer blocks here, so each of the RACERS workers takes exactly one task).
+    _barrier.wait(timeout=HANG_S)
     return str(create_run_dir(Path(runs_dir), "smoke", {"spec.json": f'{{"racer": {index}}}'}, when=WHEN))
 
 
 def test_racing_processes_in_the_same_second_get_distinct_directories(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(RACERS) as pool:
-        start_at = time.time() + 3.0  # after every spawned interpreter is up
-        made = pool.map(_race, [(str(tmp_path), i, start_at) for i in range(RACERS)])
+    barrier = ctx.Barrier(RACERS)
+    with ctx.Pool(RACERS, initializer=_line_up, initargs=(barrier,)) as pool:
+        made = pool.map(_race, [(str(tmp_path), i) for i in range(RACERS)], chunksize=1)
     base = run_dir_name("smoke", WHEN)
     assert sorted(Path(p).name for p in made) == sorted([base] + [f"{base}-{k}" for k in range(2, RACERS + 1)])
     # every racer got its own directory holding its own file
@@ -88,14 +106,15 @@ def _master(run_dir: Path) -> tuple[str, int]:
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(3 * HANG_S)
 def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str, str],  # noqa: F811
                                                           tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "cyclone_kit", "submit", str(SMOKE), "--profile", "local", "--partition", "cpu",
             "--nodes", "1", "--ntasks-per-node", "2", "--runs-dir", str(tmp_path),
-            "--set", "train.steps=150", "--set", "resources.extra_sbatch=['--nodelist=c1']"]
+            "--set", f"train.steps={OVERLAP_STEPS}", "--set", "resources.extra_sbatch=['--nodelist=c1']"]
     procs = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    outputs = [p.communicate(timeout=60) for p in procs]
+    outputs = [p.communicate(timeout=HANG_S) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     (id_a, dir_a), (id_b, dir_b) = (parse_submit_output(out) for out, _ in outputs)
     print(f"two submits at once: jobs {id_a}, {id_b}; run dirs {dir_a.name}, {dir_b.name}")
@@ -104,14 +123,15 @@ def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str
     backend = SlurmBackend()
     overlap = False
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + HANG_S  # a hang guard: the loop ends when both jobs have ended
         while time.monotonic() < deadline:
             a, b = backend.status(id_a), backend.status(id_b)
             overlap |= a.state is b.state is JobState.RUNNING
             if a.state.is_terminal and b.state.is_terminal:
                 break
             time.sleep(0.25)
-        wait_for(lambda: not job_processes(id_a) and not job_processes(id_b), 30, "both jobs' processes to end")
+        wait_for(lambda: not job_processes(id_a) and not job_processes(id_b), HANG_S,
+                 "both jobs' processes to end")
     finally:
         cancel_quietly(backend, id_a)
         cancel_quietly(backend, id_b)

@@ -28,7 +28,12 @@ except Exception as exc:  # ImportError, or OSError from a broken extension
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_S = 55
+#: Hang guard (not a performance bound): the run takes ~10-15 s here; >= 10x for a slower machine.
+#: Below pytest's own 300 s so that a hang reports horovodrun's output.
+TIMEOUT_S = 240
+#: horovodrun's --start-timeout and HOROVOD_GLOO_TIMEOUT_SECONDS: workers start (import torch +
+#: horovod) in ~6 s here, so 120 s leaves a machine 5x slower room; both are hang guards too.
+HVD_START_S = 120
 
 # Each rank starts from a different random model and sees different data. After the broadcast and
 # three DistributedOptimizer steps (gradients averaged over ranks), both ranks must hold identical
@@ -102,9 +107,9 @@ def test_horovodrun_gloo_two_ranks_identical_parameters(tmp_path: Path):
     if not horovodrun.exists():
         horovodrun = Path(shutil.which("horovodrun") or "horovodrun")
     cmd = [sys.executable, str(horovodrun), "--gloo", "-np", "2", "-H", "localhost:2",
-           "--network-interfaces", "lo", "--start-timeout", "30",
+           "--network-interfaces", "lo", "--start-timeout", str(HVD_START_S),
            sys.executable, str(script)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "30"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": str(HVD_START_S)}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:

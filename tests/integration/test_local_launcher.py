@@ -1,5 +1,10 @@
 """The local launcher with real processes: Slurm-like rank environments, a real 2-rank training run,
-and rank failure (SIGKILL mid-run) -> the others stopped within seconds, root cause first, no orphans."""
+and rank failure (SIGKILL mid-run) -> the others stopped within seconds, root cause first, no orphans.
+
+Nothing here depends on how fast the machine is: "the others were stopped" is shown by events (a rank
+that sleeps far longer than any stop could take ended by the launcher's signal, no process of the job
+is left), never by comparing a duration with a fixed bound; every wait is for an event (a marker
+file, a step record) and every timeout is a hang guard sized for a machine 5x slower than ours."""
 
 from __future__ import annotations
 
@@ -17,8 +22,13 @@ from cyclone_kit.backends.local import FAILURE_FILE, LAUNCH_FILE, launch
 from tests.conftest import REPO
 
 SMOKE = REPO / "jobs" / "smoke.toml"
-#: seconds a launch may take to stop every rank after the first failure (SIGTERM grace is 5 s)
-STOP_LIMIT_S = 10.0
+#: Hang guard (not a performance bound): seconds to wait for an event that takes ~5-20 s here (>= 10x).
+HANG_GUARD_S = 240.0
+#: pytest-timeout for the real-engine tests: two hang guards in a row must fire before it does.
+SLOW_TEST_TIMEOUT_S = 600
+#: Seconds the ranks that should be stopped sleep or train for: 100x any plausible stop time, so a rank
+#: that ends before this ended because the launcher stopped it (which the tests also check by its signal).
+LONG_S = 3600
 
 
 def processes_of_job(job_id: str) -> list[int]:
@@ -93,25 +103,33 @@ def test_ranks_get_a_slurm_like_environment_that_the_runtime_detects(tmp_path: P
 
 FAIL_ONE = """
 import os, signal, sys, time
-rank = int(os.environ["SLURM_PROCID"])
+from pathlib import Path
+rank, ready, long_s = int(os.environ["SLURM_PROCID"]), Path(sys.argv[1]), int(sys.argv[2])
 if rank == 1:
-    time.sleep(0.5)
+    # Die only once the other ranks are stubborn and have their child (an event, not a guessed delay).
+    while not ((ready / "ready-0").exists() and (ready / "ready-2").exists()):
+        time.sleep(0.01)
     print("rank 1 about to die", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn rank: only SIGKILL stops it
-os.fork() == 0 and time.sleep(120)             # and a child in its process group
-time.sleep(120)
+os.fork() == 0 and time.sleep(long_s)          # and a child in its process group
+(ready / f"ready-{rank}").touch()
+time.sleep(long_s)
 """
 
 
 def test_a_dead_rank_stops_stubborn_ranks_and_their_children(tmp_path: Path) -> None:
-    started = time.monotonic()
-    result = launch(tmp_path, 3, 1, threads=1, command=[sys.executable, "-c", FAIL_ONE], grace_s=1.0)
-    took = time.monotonic() - started
-    assert result.returncode == 1 and took < STOP_LIMIT_S
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    # timeout_s is a hang guard: were the stubborn ranks not stopped, the launch would end "interrupted".
+    result = launch(tmp_path, 3, 1, threads=1, command=[sys.executable, "-c", FAIL_ONE, str(ready), str(LONG_S)],
+                    grace_s=1.0, timeout_s=HANG_GUARD_S)
+    assert result.returncode == 1 and not result.interrupted
     first = result.first_failure
     assert first is not None and (first.rank, first.how) == (1, "killed by SIGKILL")
     assert all(e.stopped for e in result.exits if e.rank != 1)
+    # Stopped, not finished: SIGTERM was ignored, so the launcher's SIGKILL ended their LONG_S sleep.
+    assert all(e.how == "killed by SIGKILL" and e.elapsed_s < LONG_S for e in result.exits if e.rank != 1), result
     doc = json.loads((tmp_path / FAILURE_FILE).read_text())
     assert (doc["rank"], doc["signal"], doc["host"], doc["cause"]) == (1, "SIGKILL", "localhost", "rank_failed")
     assert doc["stderr_tail"] == ["rank 1 about to die"]
@@ -120,21 +138,26 @@ def test_a_dead_rank_stops_stubborn_ranks_and_their_children(tmp_path: Path) -> 
 
 def test_nonzero_exit_code_and_error_record_are_the_root_cause(tmp_path: Path) -> None:
     code = ("import json, os, sys, time\nr = int(os.environ['SLURM_PROCID'])\n"
-            "if r == 0:\n    time.sleep(30)\n"
+            f"if r == 0:\n    time.sleep({LONG_S})\n"
             "os.makedirs(sys.argv[1] + '/ranks', exist_ok=True)\n"
             "json.dump({'rank': r, 'host': 'h', 'type': 'ValueError', 'message': 'bad batch', 'traceback': ''},"
             " open(sys.argv[1] + '/ranks/error-rank-00001.json', 'w'))\n"
             "print('Traceback: ValueError: bad batch', file=sys.stderr)\nsys.exit(3)\n")
-    result = launch(tmp_path, 2, 1, threads=1, command=[sys.executable, "-c", code, str(tmp_path)])
+    result = launch(tmp_path, 2, 1, threads=1, command=[sys.executable, "-c", code, str(tmp_path)],
+                    timeout_s=HANG_GUARD_S)  # a hang guard: the run would end "interrupted"
     assert result.first_failure is not None and result.first_failure.returncode == 3
     doc = json.loads((tmp_path / FAILURE_FILE).read_text())
     assert doc["summary"].startswith("rank 1 on host localhost")
     assert "exit code 3" in doc["summary"] and "ValueError: bad batch" in doc["summary"]
-    assert result.stop_s is not None and result.stop_s < STOP_LIMIT_S
+    # Stopped promptly, shown by events: rank 0's LONG_S sleep was ended by the launcher's first signal
+    # (SIGTERM; no need for the SIGKILL that follows the grace period), not by the sleep running out.
+    assert result.stop_s is not None and not result.interrupted
+    rank0 = result.exits[0]
+    assert rank0.stopped and rank0.how == "killed by SIGTERM" and rank0.elapsed_s < LONG_S, rank0
 
 
 def test_launch_timeout_stops_every_rank(tmp_path: Path) -> None:
-    result = launch(tmp_path, 2, 1, threads=1, command=[sys.executable, "-c", "import time; time.sleep(60)"],
+    result = launch(tmp_path, 2, 1, threads=1, command=[sys.executable, "-c", f"import time; time.sleep({LONG_S})"],
                     timeout_s=1.0, grace_s=1.0)
     assert result.interrupted and result.returncode == 130
     assert json.loads((tmp_path / FAILURE_FILE).read_text())["cause"] == "interrupted"
@@ -153,9 +176,10 @@ def _only_dir(path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_two_rank_smoke_run_trains_with_world_size_two(tmp_path: Path) -> None:
     proc = _run_cli("run", str(SMOKE), "--nproc", "2", "--runs-dir", str(tmp_path), "--quiet")
-    out, err = proc.communicate(timeout=240)
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, err
     run_dir = _only_dir(tmp_path)
     records = read_records(run_dir / "metrics.jsonl")
@@ -172,55 +196,67 @@ def test_two_rank_smoke_run_trains_with_world_size_two(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_sigkill_of_a_rank_mid_run_ends_the_run_within_seconds(tmp_path: Path) -> None:
     """Issue 7, item 1 (local half): SIGKILL one rank of a 2-node run in the middle of training."""
     proc = _run_cli("run", str(SMOKE), "--nproc", "2", "--nodes", "2", "--runs-dir", str(tmp_path), "--quiet",
                     "--set", "train.steps=100000", "--set", "train.epochs=0", "--set", "train.log_every=1")
     try:
-        wait_for(lambda: any(tmp_path.glob("*/metrics.jsonl")), 120, "the first metrics")
+        wait_for(lambda: any(tmp_path.glob("*/metrics.jsonl")), HANG_GUARD_S, "the first metrics")
         run_dir = _only_dir(tmp_path)
         wait_for(lambda: any(r.get("kind") == "step" for r in read_complete_records(run_dir / "metrics.jsonl")),
-                 120, "a training step")
+                 HANG_GUARD_S, "a training step")
         launched = json.loads((run_dir / LAUNCH_FILE).read_text())
         victim = launched["ranks"][1]
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
         exit_s = time.monotonic() - killed_at
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode != 0
-    assert exit_s < STOP_LIMIT_S, f"launcher took {exit_s:.1f} s to exit after the SIGKILL"
     first_line = err.splitlines()[0]
     assert first_line.startswith("error: rank 1 on host 127.0.0.2") and "killed by SIGKILL" in first_line
     doc = json.loads((run_dir / FAILURE_FILE).read_text())
     assert (doc["rank"], doc["host"], doc["signal"]) == (1, "127.0.0.2", "SIGKILL")
+    # The run ended because the launcher stopped rank 0 (mid-run: 100000 steps), not because it finished.
+    rank0 = next(r for r in doc["ranks"] if r["rank"] == 0)
+    assert rank0["stopped_by_launcher"] and rank0["exit_code"] != 0, doc["ranks"]
+    assert not any(r.get("kind") == "end" and r.get("status") == "completed"
+                   for r in read_complete_records(run_dir / "metrics.jsonl"))
     assert processes_of_job(launched["job_id"]) == []
     print(f"launcher exited {exit_s:.2f} s after SIGKILL of rank 1; all ranks gone {doc['stop_s']} s after it")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     proc = _run_cli("run", str(SMOKE), "--nproc", "2", "--runs-dir", str(tmp_path), "--quiet",
-                    "--set", "train.steps=100000", "--set", "train.epochs=0")
+                    "--set", "train.steps=100000", "--set", "train.epochs=0", "--set", "train.log_every=1")
     try:
-        wait_for(lambda: any(tmp_path.glob("*/launch.json")), 60, "the ranks to start")
+        wait_for(lambda: any(tmp_path.glob("*/launch.json")), HANG_GUARD_S, "the ranks to start")
         run_dir = _only_dir(tmp_path)
         job_id = json.loads((run_dir / LAUNCH_FILE).read_text())["job_id"]
-        time.sleep(1.0)
+        # Ctrl-C in the middle of training: wait for a step record, not a guessed delay.
+        wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and any(
+            r.get("kind") == "step" for r in read_complete_records(run_dir / "metrics.jsonl")),
+            HANG_GUARD_S, "a training step")
         proc.send_signal(signal.SIGINT)
         interrupted_at = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
         exit_s = time.monotonic() - interrupted_at
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert exit_s < STOP_LIMIT_S
+    # Every rank was stopped by the launcher (a 100000-step run cannot have ended by itself).
+    doc = json.loads((run_dir / FAILURE_FILE).read_text())
+    assert doc["cause"] == "interrupted" and all(r["stopped_by_launcher"] for r in doc["ranks"]), doc
     assert processes_of_job(job_id) == []
+    print(f"launcher exited {exit_s:.2f} s after Ctrl-C; all ranks gone {doc['stop_s']} s after it")
 
 
 @pytest.mark.parametrize(("args", "message"), [

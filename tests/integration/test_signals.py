@@ -37,7 +37,18 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 SMOKE = str(REPO / "jobs" / "smoke.toml")
+#: Hang guard for every wait in this file (not a performance bound): the slowest wait, a resume
+#: segment, takes ~20-30 s on a 2-core machine; this leaves >= 8x for a slower or busier one.
 TIMEOUT_S = 240
+#: pytest-timeout for the training tests: a run, a stop and a resume, each under its own hang guard.
+SLOW_TEST_TIMEOUT_S = 900
+#: Steps of the tiny-CNN runs that are signalled once step 5 is logged. A stop is acted on within
+#: about 2 x checkpoint.poll_s (1 s): even at 5x our speed (~4 ms a step) 1000 steps last ~4 s, so
+#: the signal always lands mid-run.
+SIGNALLED_STEPS = 1000
+#: Steps of the ResNet-18 storm run (signalled from step 3): ~0.5 s a step here, so even at 5x our
+#: speed the ~37 steps left outlast the stop agreement and the checkpoint write.
+STORM_STEPS = 40
 
 
 # --------------------------------------------------------------------------- helpers
@@ -95,7 +106,7 @@ class LocalRun:
 
     def wait_ranks(self) -> list[int]:
         launch_file = self.run_dir / LAUNCH_FILE
-        wait_for(launch_file.is_file, 60, "launch.json")
+        wait_for(launch_file.is_file, TIMEOUT_S, "launch.json")
         self.rank_pids = [r["pid"] for r in json.loads(launch_file.read_text())["ranks"]]
         return self.rank_pids
 
@@ -114,7 +125,7 @@ class LocalRun:
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
-        wait_for(lambda: not any(alive(p) for p in self.rank_pids), 30, "the ranks to be gone")
+        wait_for(lambda: not any(alive(p) for p in self.rank_pids), TIMEOUT_S, "the ranks to be gone")
 
 
 def resume(run_dir: Path) -> None:
@@ -133,20 +144,21 @@ def assert_every_step_once(run_dir: Path, total: int) -> None:
     pytest.param(signal.SIGTERM, (), 130, id="SIGTERM"),
     pytest.param(signal.SIGUSR1, ("checkpoint.signal=USR1",), 0, id="configured-USR1"),
 ])
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: Path, sig: signal.Signals,
                                                                      sets: tuple[str, ...], expected_rc: int) -> None:
-    total = 150
+    total = SIGNALLED_STEPS
     run = LocalRun(tmp_path, f"train.steps={total}", "train.log_every=1", *sets)
     try:
         pids = run.wait_ranks()
-        wait_for(lambda: last_step(run.run_dir) >= 5, 120, "training to start")
+        wait_for(lambda: last_step(run.run_dir) >= 5, TIMEOUT_S, "training to start")
         run.proc.send_signal(sig)
         sent = time.monotonic()
-        code, out, err = run.proc.wait(timeout=60), "", ""
+        code, out, err = run.proc.wait(timeout=TIMEOUT_S), "", ""
         orphans = [p for p in pids if alive(p)]  # ranks that outlived their launcher
-        wait_for(lambda: not any(alive(p) for p in pids), 60, "the ranks to stop")
+        wait_for(lambda: not any(alive(p) for p in pids), TIMEOUT_S, "the ranks to stop")
         stop_s = time.monotonic() - sent
-        code, out, err = run.finish(timeout=60)
+        code, out, err = run.finish(timeout=TIMEOUT_S)
     finally:
         run.cleanup()
     print(f"{sig.name} to the launcher: every rank gone {stop_s:.2f} s later; launcher exit {code}")
@@ -170,20 +182,21 @@ def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: P
 
 
 # --------------------------------------------------------------------------- signals during the checkpoint
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: Path) -> None:
     """USR2 then SIGTERM/USR2 alternately every 2 ms at both ranks until the stop checkpoint is in
     place. ResNet-18 makes the checkpoint big (~90 MB with momentum), so the write takes long enough
     to be hit many times; checkpoint.every_steps=0 makes it the only checkpoint."""
-    total = 20
+    total = STORM_STEPS
     run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
                    "train.log_every=1", "checkpoint.every_steps=0")
     ckpts = run.run_dir / "checkpoints"
     sent = during_write = 0
     try:
         pids = run.wait_ranks()
-        wait_for(lambda: last_step(run.run_dir) >= 3, 180, "training to start")
+        wait_for(lambda: last_step(run.run_dir) >= 3, TIMEOUT_S, "training to start")
         storm = [signal.SIGUSR2, signal.SIGTERM]
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + TIMEOUT_S  # a hang guard: the loop ends on the checkpoint (an event)
         while not ck.list_checkpoints(ckpts) and time.monotonic() < deadline:
             writing = ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir())
             for pid in pids:
@@ -192,7 +205,7 @@ def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: P
             sent += 1
             during_write += writing
             time.sleep(0.002)
-        code, _out, err = run.finish(timeout=120)
+        code, _out, err = run.finish(timeout=TIMEOUT_S)
     finally:
         run.cleanup()
     print(f"signal storm: {sent} rounds of signals to 2 ranks, {during_write} of them while the checkpoint "
@@ -212,6 +225,7 @@ def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: P
     assert_every_step_once(run.run_dir, total)
 
 
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previous(tmp_path: Path) -> None:
     """Rank 0 (the writer) is SIGKILLed while its temporary checkpoint file exists, after an earlier
     checkpoint is complete; the run fails, and the same run directory resumes from the earlier one."""
@@ -221,11 +235,11 @@ def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previ
     ckpts = run.run_dir / "checkpoints"
     try:
         pids = run.wait_ranks()
-        wait_for(lambda: ck.list_checkpoints(ckpts), 180, "the first checkpoint")
+        wait_for(lambda: ck.list_checkpoints(ckpts), TIMEOUT_S, "the first checkpoint")
         tmp = wait_for(lambda: ckpts.is_dir() and [p for p in ckpts.iterdir() if p.name.endswith(".tmp")],
-                       120, "a checkpoint being written", poll=0.001)
+                       TIMEOUT_S, "a checkpoint being written", poll=0.001)
         os.kill(pids[0], signal.SIGKILL)
-        code, _out, err = run.finish(timeout=120)
+        code, _out, err = run.finish(timeout=TIMEOUT_S)
     finally:
         run.cleanup()
     complete = [s for s, _ in ck.list_checkpoints(ckpts)]
@@ -252,7 +266,7 @@ def _watch(tmp_path: Path, code: str, env: dict[str, str]) -> subprocess.Complet
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "CYCLONE"))}
     return subprocess.run([sys.executable, "-m", "cyclone_kit.runtime.watchdog", "--run-dir", str(tmp_path), "--",
                            sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=TIMEOUT_S)
 
 
 def test_watchdog_records_a_rank_killed_by_a_signal(tmp_path: Path) -> None:
@@ -270,12 +284,12 @@ def test_watchdog_forwards_signals_and_passes_exit_codes_through(tmp_path: Path)
     code = ("import os, signal, sys, time\n"
             "signal.signal(signal.SIGUSR2, lambda s, f: sys.exit(7))\n"
             "os.kill(os.getppid(), signal.SIGUSR2)\n"  # reaches the watchdog, which must pass it on
-            "time.sleep(30)\n")
+            "time.sleep(3600)\n")  # ends only by the forwarded signal
     result = _watch(tmp_path, code, {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"})
     assert result.returncode == 7, result
     assert not (tmp_path / "ranks").exists() and not (tmp_path / "failure.json").exists(), "an exit code is no death"
     # A signal the watchdog passed on is a stop request, not a crash: no record either.
-    code = "import os, signal, time\nos.kill(os.getppid(), signal.SIGTERM)\ntime.sleep(30)\n"
+    code = "import os, signal, time\nos.kill(os.getppid(), signal.SIGTERM)\ntime.sleep(3600)\n"
     result = _watch(tmp_path, code, {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"})
     assert result.returncode == -signal.SIGTERM
     assert not (tmp_path / "failure.json").exists()

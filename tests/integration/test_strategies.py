@@ -15,7 +15,14 @@ import torch
 from cyclone_kit.runtime import checkpoint as ck
 from tests.integration.test_ddp import final_params, finish, records, run_ranks, start_ranks, write_spec
 
-pytestmark = pytest.mark.slow
+#: Hang guard (not a performance bound) for the module's reference runs: 6 ranks at once on 2 cores
+#: took 51 s on this machine under load (~9); >= 10x an idle run.
+RUNS_HANG_S = 600
+#: pytest-timeout of every test here: the first one also pays for the reference runs, the Horovod
+#: ones run horovodrun twice (each under run_horovodrun's 240 s guard).
+TEST_TIMEOUT_S = 900
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
 #: 640 samples, batch 32 x 2 ranks: 10 optimizer steps per epoch, 12 steps cross one epoch boundary.
 COMMON = dict(batch_size=32, log_every=1, synthetic_samples=640, steps=12, val_samples=128)
@@ -31,7 +38,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_spec(runs["pipeline"], strategy="pipeline", microbatches=4, **{**COMMON, "batch_size": 64})
     # every_steps=10 in smoke.toml: checkpoints at step 10 and the final 12.
     procs = start_ranks(runs["ddp"], 2) + start_ranks(runs["fsdp"], 2) + start_ranks(runs["pipeline"], 2)
-    for i, (code, out, err) in enumerate(finish(procs)):
+    for i, (code, out, err) in enumerate(finish(procs, timeout=RUNS_HANG_S)):
         assert code == 0, f"process {i} exited {code}\n{out}\n{err}"
     return runs
 
@@ -242,6 +249,11 @@ def _horovod_missing() -> str | None:
     return None
 
 
+#: horovodrun's --start-timeout and HOROVOD_GLOO_TIMEOUT_SECONDS (hang guards, not performance bounds):
+#: the engine's workers start in ~8 s here, so 150 s leaves a machine 5x slower room.
+HVD_START_S = 150
+
+
 def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
     """The engine on ``run_dir`` under ``horovodrun --gloo`` (the whole process tree killed on timeout)."""
     import contextlib
@@ -254,8 +266,9 @@ def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
     from tests.integration.test_ddp import REPO, clean_env
 
     cmd = horovodrun_command(str(run_dir), np, python=sys.executable)
-    cmd = [sys.executable, str(Path(sys.executable).parent / "horovodrun"), *cmd[1:2], "--start-timeout", "60", *cmd[2:]]
-    env = {**clean_env(), "HOROVOD_GLOO_TIMEOUT_SECONDS": "60", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(Path(sys.executable).parent / "horovodrun"), *cmd[1:2], "--start-timeout", str(HVD_START_S),
+           *cmd[2:]]
+    env = {**clean_env(), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(HVD_START_S), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -10,6 +10,9 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
+#: Hang guard (not a performance bound): the two-point study and its report take ~30 s here.
+HANG_S = 400
+
 
 def _sweep_file(tmp_path: Path, mode: str = "strong") -> Path:
     """A tiny study whose base job is jobs/smoke.toml (read from the sweep file's `base` path)."""
@@ -30,10 +33,11 @@ def _study(runs: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(HANG_S + 60)
 def test_local_strong_study_and_report(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     result = run_cli("sweep", str(_sweep_file(tmp_path)), "--backend", "local", "--runs-dir", str(runs), "--quiet",
-                     timeout=400)
+                     timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     study = _study(runs)
     assert study.name.startswith("it-strong-")

@@ -22,8 +22,9 @@ from cyclone_kit.proc import run_command
 
 #: the nodes scripts/local-slurm.sh configures
 NODES = ("c1", "c2", "g1", "g2")
-#: how long to wait for nodes busy with other people's jobs to become idle
-_IDLE_WAIT_S = 30
+#: how long to wait for nodes busy with other people's jobs (or a previous test's job still
+#: completing: KillWait, epilog) to become idle; a hang guard, sized for a machine 5x slower
+_IDLE_WAIT_S = 120
 
 
 def _not_ready(reason: str) -> None:

@@ -28,8 +28,16 @@ from tests.conftest import REPO, run_cli
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SMOKE = str(REPO / "jobs" / "smoke.toml")
-#: issue 7: every other rank must be gone this many seconds after one rank died
-EXIT_LIMIT_S = 60.0
+#: Hang guard for every wait in this file (not a performance bound): the slowest event, 4 ranks on
+#: 2 nodes reaching their first steps, takes ~15-25 s on a 2-core machine; this leaves >= 10x.
+HANG_S = 300.0
+#: pytest-timeout of these tests: several hang-guarded waits in a row must fire before it does.
+SLOW_TEST_TIMEOUT_S = 1200
+#: Steps no machine finishes while the test watches (the tests stop the job themselves).
+NEVER_STEPS = 1_000_000
+#: A process-group timeout longer than HANG_S: ranks gone within HANG_S of a peer's death were stopped
+#: because of it (issue 7: promptly), they did not sit out the gloo timeout.
+PG_TIMEOUT_NEVER_S = 3600
 
 
 # --------------------------------------------------------------------------- helpers (also used by
@@ -39,7 +47,7 @@ def submit_smoke(runs_dir: Path, *args: str, sets: tuple[str, ...] = ()) -> tupl
     argv = ["submit", SMOKE, "--profile", "local", "--partition", "cpu", "--runs-dir", str(runs_dir), *args]
     for item in sets:
         argv += ["--set", item]
-    result = run_cli(*argv, timeout=60)
+    result = run_cli(*argv, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     return parse_submit_output(result.stdout)
 
@@ -130,36 +138,39 @@ def cancel_quietly(backend: SlurmBackend, job_id: str) -> None:
 
 
 # --------------------------------------------------------------------------- rank failure
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_sigkill_of_one_rank_fails_the_job_fast_with_the_root_cause(slurm_cluster: dict[str, str],
                                                                       tmp_path: Path) -> None:
     """Issue 7.1 on Slurm: kill rank 1 (on c1) with SIGKILL mid-run. The job fails, the 3 other
-    ranks are gone within 60 s, the root cause names rank 1, c1 and SIGKILL in the run directory
-    and in `status` / `logs`, and no process of the job is left."""
+    ranks are gone promptly (by events, issue 12: the job trains NEVER_STEPS steps with a gloo
+    timeout far beyond the hang guard, so their exit was caused by the death), the root cause names
+    rank 1, c1 and SIGKILL in the run directory and in `status` / `logs`, and no process of the job
+    is left."""
     backend = SlurmBackend()
     job_id, run_dir = submit_smoke(tmp_path, "--nodes", "2", "--ntasks-per-node", "2",
-                                   sets=("train.steps=400", "train.log_every=5"))
+                                   sets=(f"train.steps={NEVER_STEPS}", "train.log_every=5",
+                                         f"train.pg_timeout_s={PG_TIMEOUT_NEVER_S}"))
     try:
-        wait_for(lambda: steps_logged(run_dir) >= 10, 120, "training to reach step 10")
-        ranks = wait_for(lambda: (r := rank_pids(job_id)) and len(r) == 4 and r, 30, "4 rank processes")
+        wait_for(lambda: steps_logged(run_dir) >= 10, HANG_S, "training to reach step 10")
+        ranks = wait_for(lambda: (r := rank_pids(job_id)) and len(r) == 4 and r, HANG_S, "4 rank processes")
         victim = ranks[1]
         others = [pid for rank, pid in ranks.items() if rank != 1]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         wait_for(lambda: not any(_proc_info(pid) and _proc_info(pid)[3] != "Z" for pid in others),  # type: ignore[index]
-                 EXIT_LIMIT_S, "the other ranks to exit", poll=0.05)
+                 HANG_S, "the other ranks to exit", poll=0.05)
         exit_s = time.monotonic() - killed_at
         print(f"job {job_id}: rank 1 (pid {victim}) SIGKILLed at step ~{steps_logged(run_dir)}; "
               f"ranks 0, 2, 3 gone {exit_s:.2f} s later")
-        info = backend.wait(job_id, timeout=60)
-        gone = wait_for(lambda: not job_processes(job_id) and time.monotonic(), 30, "no process of the job left")
+        info = backend.wait(job_id, timeout=HANG_S)
+        gone = wait_for(lambda: not job_processes(job_id) and time.monotonic(), HANG_S, "no process of the job left")
         print(f"job {job_id}: {info.state.value} (exit code {info.exit_code}); last process of the job gone "
               f"{gone - killed_at:.2f} s after the kill")
     finally:
         cancel_quietly(backend, job_id)
 
-    assert exit_s < EXIT_LIMIT_S
     assert info.state is JobState.FAILED, info
-    assert steps_logged(run_dir) < 400, "the job finished before the kill: nothing was tested"
+    assert steps_logged(run_dir) < NEVER_STEPS, "the job finished before the kill: nothing was tested"
     ends = [r for r in read_records(run_dir) if r["kind"] == "end"]
     assert ends and ends[-1]["status"] == "failed", ends
 
@@ -171,42 +182,43 @@ def test_sigkill_of_one_rank_fails_the_job_fast_with_the_root_cause(slurm_cluste
     record = json.loads((run_dir / "ranks" / "error-rank-00001.json").read_text())
     assert (record["rank"], record["host"], record["signal"]) == (1, "c1", "SIGKILL"), record
 
-    status = run_cli("status", str(run_dir), timeout=60)
+    status = run_cli("status", str(run_dir), timeout=HANG_S)
     assert status.returncode == 0, status.stderr
     first = status.stdout.splitlines()[0]
     assert first.startswith("root cause") and "rank 1" in first and "SIGKILL" in first, status.stdout
     assert re.search(rf"^{job_id}\s+smoke\s+FAILED\s", status.stdout, re.M), status.stdout
 
-    logs = run_cli("logs", str(run_dir), timeout=60)
+    logs = run_cli("logs", str(run_dir), timeout=HANG_S)
     assert logs.returncode == 0, logs.stderr
     first = logs.stdout.splitlines()[0]
     assert first.startswith("root cause: ") and "rank 1" in first and "c1" in first and "SIGKILL" in first, first
 
 
 # --------------------------------------------------------------------------- cancel
+@pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_cancel_stops_a_running_two_node_training_job(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
     """Issue 4: `cyclone_kit cancel RUN_DIR` stops a 2-node x 2-task training job: CANCELLED in
     `cancel`'s and `status`'s output, and no process of the job is left."""
     backend = SlurmBackend()
     job_id, run_dir = submit_smoke(tmp_path, "--nodes", "2", "--ntasks-per-node", "2",
-                                   sets=("train.steps=100000", "train.log_every=5"))
+                                   sets=(f"train.steps={NEVER_STEPS}", "train.log_every=5"))
     try:
-        wait_for(lambda: steps_logged(run_dir) >= 5, 120, "training to start")
-        ranks = wait_for(lambda: (r := rank_pids(job_id)) and len(r) == 4 and r, 30, "4 rank processes")
+        wait_for(lambda: steps_logged(run_dir) >= 5, HANG_S, "training to start")
+        ranks = wait_for(lambda: (r := rank_pids(job_id)) and len(r) == 4 and r, HANG_S, "4 rank processes")
         hosts = {r: dict(e.split(b"=", 1) for e in _proc_info(pid)[0] if b"=" in e).get(b"SLURMD_NODENAME")  # type: ignore[index]
                  for r, pid in ranks.items()}
         assert hosts == {0: b"c1", 1: b"c1", 2: b"c2", 3: b"c2"}, hosts
         started = time.monotonic()
-        result = run_cli("cancel", str(run_dir), timeout=120)
+        result = run_cli("cancel", str(run_dir), timeout=HANG_S)
         cancel_s = time.monotonic() - started
-        gone = wait_for(lambda: not job_processes(job_id) and time.monotonic(), 30, "no process of the job left")
+        gone = wait_for(lambda: not job_processes(job_id) and time.monotonic(), HANG_S, "no process of the job left")
         print(f"job {job_id}: `cancel` returned after {cancel_s:.2f} s; last process gone "
               f"{gone - started:.2f} s after the command started; stopped at step {steps_logged(run_dir)}")
     finally:
         cancel_quietly(backend, job_id)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"job {job_id}: CANCELLED", result.stdout
-    status = run_cli("status", str(run_dir), timeout=60)
+    status = run_cli("status", str(run_dir), timeout=HANG_S)
     assert status.returncode == 0, status.stderr
     assert re.search(rf"^{job_id}\s+smoke\s+CANCELLED\s", status.stdout, re.M), status.stdout
     assert "root cause" not in status.stdout, "a cancelled job is not a failure"

@@ -17,6 +17,8 @@ from cyclone_kit.slurm.states import JobState
 from tests.slurm.test_faults import cancel_quietly, read_records, submit_smoke
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+#: Hang guard (not a performance bound): each 12-step 2-node job takes ~15-25 s here, >= 10x.
+HANG_S = 240
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
@@ -25,7 +27,7 @@ def test_strategy_job_completes_on_two_nodes(strategy: str, slurm_cluster: dict[
     job_id, run_dir = submit_smoke(tmp_path, "--nodes", "2", "--ntasks-per-node", "1",
                                    sets=(f"train.strategy={strategy}", "train.steps=12"))
     try:
-        info = backend.wait(job_id, timeout=240)
+        info = backend.wait(job_id, timeout=HANG_S)
     finally:
         cancel_quietly(backend, job_id)
     recs = read_records(run_dir)
@@ -50,7 +52,7 @@ def test_horovod_job_completes_on_two_nodes_with_ranks_from_srun(slurm_cluster: 
     job_id, run_dir = submit_smoke(tmp_path, "--nodes", "2", "--ntasks-per-node", "2",
                                    sets=("train.strategy=horovod", "resources.launcher=horovod", "train.steps=12"))
     try:
-        info = backend.wait(job_id, timeout=240)
+        info = backend.wait(job_id, timeout=HANG_S)
     finally:
         cancel_quietly(backend, job_id)
     script = (run_dir / "job.sbatch").read_text()

@@ -18,19 +18,21 @@ from cyclone_kit.slurm.states import JobState
 from tests.conftest import REPO, run_cli
 
 pytestmark = [pytest.mark.slurm]
+#: Hang guard (not a performance bound): the 4-rank 10-step job takes ~15 s here, >= 10x.
+HANG_S = 240
 
 
 def test_submit_smoke_on_two_nodes_completes_with_world_size_four(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
     result = run_cli("submit", str(REPO / "jobs" / "smoke.toml"), "--profile", "local", "--partition", "cpu",
                      "--nodes", "2", "--ntasks-per-node", "2", "--runs-dir", str(tmp_path),
-                     "--set", "train.steps=10", timeout=60)
+                     "--set", "train.steps=10", timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     run_dir = Path(re.search(r"run dir: (.+)", result.stdout).group(1).strip())
     assert (run_dir / "job.sbatch").is_file() and (run_dir / "job_id").read_text().strip() == job_id
     backend = SlurmBackend()
     try:
-        info = backend.wait(job_id, timeout=240)
+        info = backend.wait(job_id, timeout=HANG_S)
     finally:
         backend.cancel(job_id)
     assert info.state is JobState.COMPLETED, info
