@@ -21,12 +21,48 @@ COMMANDS = ("submit", "run", "sweep", "report", "status", "cancel", "logs", "env
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line with a HINT and exit code 2."""
+    """An ArgumentParser whose usage errors are one line with a HINT and exit code 2.
+
+    A misspelt option gets a "did you mean" naming the closest option of the command given
+    (``submit --nods 2`` -> ``--nodes``).
+    """
+
+    _argv: list[str] | None = None
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        """As argparse's, remembering the arguments for :meth:`error`'s suggestions."""
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         """Print ``error: ... HINT: ...`` on one line and exit 2 (no usage block)."""
-        sys.stderr.write(f"error: {message} HINT: run '{self.prog} --help' for the valid arguments\n")
+        prog, options = self.prog, list(self._option_string_actions)
+        for action in self._actions:  # the sub-command given (unknown flags surface at the top parser)
+            if isinstance(action, argparse._SubParsersAction):
+                command = next((a for a in self._argv or () if a in action.choices), None)
+                if command is not None:
+                    prog, options = action.choices[command].prog, list(action.choices[command]._option_string_actions)
+        hint = f"run '{prog} --help' for the valid arguments"
+        guess = suggest_option(message, options)
+        if guess:
+            hint = f"did you mean {guess[1]} (not {guess[0]})? {hint}"
+        sys.stderr.write(f"error: {message} HINT: {hint}\n")
         raise SystemExit(2)
+
+
+def suggest_option(message: str, options: Sequence[str]) -> tuple[str, str] | None:
+    """(misspelt flag, closest valid option) for argparse's "unrecognized arguments" message, or None."""
+    import difflib
+
+    if not message.startswith("unrecognized arguments:"):
+        return None
+    for token in message.split(":", 1)[1].split():
+        flag = token.split("=", 1)[0]
+        if flag.startswith("-"):
+            close = difflib.get_close_matches(flag, [o for o in options if o.startswith("--")], n=1, cutoff=0.6)
+            if close:
+                return flag, close[0]
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -455,7 +455,8 @@ def spec_from_dict(data: dict[str, Any]) -> JobSpec:
     if unknown:
         raise ValidationError(
             f"unknown job spec key(s): {', '.join(sorted(unknown))}",
-            hint=f"valid top-level keys: name, {', '.join([*SECTIONS, *OPTIONAL_SECTIONS])}",
+            hint=did_you_mean(sorted(unknown), ["name", *SECTIONS, *OPTIONAL_SECTIONS])
+            + f"valid top-level keys: name, {', '.join([*SECTIONS, *OPTIONAL_SECTIONS])}",
         )
     kwargs: dict[str, Any] = {}
     if "script" in data:
@@ -594,7 +595,9 @@ def resolve_key(key: str) -> tuple[str | None, str]:
         if len(owners) == 1:
             return owners[0], key
     valid = ["name"] + [f"{s}.{f}" for s, cls in {**SECTIONS, **OPTIONAL_SECTIONS}.items() for f in _field_names(cls)]
-    raise ValidationError(f"unknown spec key {key!r}", hint=f"valid keys: {', '.join(valid)}")
+    short = [f for cls in SECTIONS.values() for f in _field_names(cls)] if not dot else []
+    raise ValidationError(f"unknown spec key {key!r}",
+                          hint=did_you_mean([key], valid + short) + f"valid keys: {', '.join(valid)}")
 
 
 # --------------------------------------------------------------------------- TOML edge
@@ -621,6 +624,17 @@ def _read_text(path: Path) -> str:
 
 
 # --------------------------------------------------------------------------- helpers
+def did_you_mean(unknown: typing.Sequence[str], valid: typing.Sequence[str]) -> str:
+    """``"did you mean train.lr (not train.lrr)? "`` for the first unknown key with a close valid one, else ``""``."""
+    import difflib
+
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        if close:
+            return f"did you mean {close[0]} (not {key})? "
+    return ""
+
+
 def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
@@ -633,7 +647,7 @@ def _build(cls: type, where: str, data: dict[str, Any]) -> Any:
         valid = [n for n in names if not (where == "partitions" and n == "name")]
         raise ValidationError(
             f"unknown key(s) in [{where}]: {', '.join(sorted(unknown))}",
-            hint=f"valid keys: {', '.join(valid)}",
+            hint=did_you_mean(sorted(unknown), valid) + f"valid keys: {', '.join(valid)}",
         )
     hints = typing.get_type_hints(cls)
     kwargs = {k: _coerce(f"{where}.{k}", hints[k], v) for k, v in data.items()}

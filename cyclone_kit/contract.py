@@ -42,7 +42,7 @@ RANKS_DIR = "ranks"
 RANK_SUMMARY_GLOB = "rank-*.json"
 
 KINDS = ("start", "step", "epoch", "end")
-STATUSES = ("completed", "preempted", "failed")
+STATUSES = ("completed", "preempted", "cancelled", "failed")
 #: The launchers the runtime records in ``start.launcher`` (see cyclone_kit.runtime.env.detect).
 LAUNCHERS = ("slurm", "torchrun", "openmpi", "mpich", "submitit", "single", "local")
 

@@ -14,12 +14,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+#: The one mode of every file the package writes: read-write for the owner, readable by the group
+#: and others (teammates in a shared project directory read each other's runs), as a plain
+#: ``open()`` under the usual umask 022 gives. mkstemp's private 0600 is never kept.
+FILE_MODE = 0o644
+
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write a file via temp file + fsync + rename, so readers never see half of it."""
+    """Write a file via temp file + fsync + rename, so readers never see half of it (mode :data:`FILE_MODE`)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
@@ -36,6 +42,7 @@ def write_new(path: Path, data: str) -> bool:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), FILE_MODE)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

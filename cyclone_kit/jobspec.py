@@ -58,6 +58,33 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, with_resources: bool =
         parser.add_argument("--account", help="Slurm account (project), e.g. p163")
         parser.add_argument("--launcher", help="srun (one task per GPU), torchrun (one task per node) or horovod")
     parser.add_argument("--name", help="job name (letters, digits, . _ + -)")
+    add_data_check_argument(parser)
+
+
+def add_data_check_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--no-data-check`` (train.data_dir is checked on this machine unless given)."""
+    parser.add_argument("--no-data-check", action="store_true",
+                        help="do not check that train.data_dir exists here (for a path only the compute nodes see)")
+
+
+def check_data_dir(spec: JobSpec) -> None:
+    """Refuse a ``train.data_dir`` that does not exist on this (login) node, before any queue wait.
+
+    Only datasets read from disk are checked; callers skip the check for ``--no-data-check``.
+
+    Raises:
+        ValidationError: the directory is missing or is not a directory.
+    """
+    if spec.train.dataset == "synthetic" or not spec.train.data_dir:
+        return
+    path = Path(spec.train.data_dir).expanduser()
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist on this machine"
+        raise ValidationError(
+            f"train.data_dir {spec.train.data_dir!r} {what}",
+            hint="fix the path (--set train.data_dir=/path/to/data), or pass --no-data-check "
+                 "if only the compute nodes can see it",
+        )
 
 
 def is_script_path(spec_arg: str | None) -> bool:
@@ -102,6 +129,10 @@ def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
     else:
         spec_path = Path(args.spec) if args.spec else DEFAULT_SPEC
         data = read_toml(spec_path)
+        if args.spec and "sweep" in data:
+            command = "sweep" if getattr(args, "command", None) != "sweep" else "submit"
+            raise ValidationError(f"{args.spec} is a sweep spec (it has a [sweep] table), not a job spec",
+                                  hint=f"run it with `cyclone-kit {command} {args.spec}`")
         # a script's own argument list may hold an empty string; every other empty value is refused
         script_table = data.get("script") if isinstance(data.get("script"), dict) else None
         reject_empty_strings({**data, "script": {k: v for k, v in script_table.items() if k != "args"}}
@@ -154,7 +185,10 @@ def fill_args(job: ResolvedJob) -> ResolvedJob:
 def job_from_args(args: argparse.Namespace) -> ResolvedJob:
     """Build and validate the job the flags describe (a script must exist and compile)."""
     spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
-    return fill_args(resolve(spec, load_profile(spec.resources.profile)))
+    job = fill_args(resolve(spec, load_profile(spec.resources.profile)))
+    if not getattr(args, "no_data_check", False):
+        check_data_dir(job.spec)
+    return job
 
 
 def script_files(spec: JobSpec) -> dict[str, bytes]:

@@ -8,6 +8,7 @@ the metrics contract, :mod:`cyclone_kit.contract`; the failure record's content 
       spec.json           the resolved job spec (RunDir.spec; read_spec / write_spec)
       job.sbatch          the rendered batch script (RunDir.script; write_script)
       job_id, backend     written once submitted (write_submission; job_id / backend)
+      cancel_requested    a user's `cancel` (write_cancel_request), read by the runtime's end record
       launch.json         the local launcher's record of its ranks (RunDir.launch)
       failure.json        the root cause of a failed run (RunDir.failure; cyclone_kit.failures)
       metrics.jsonl       the metrics contract (RunDir.metrics; cyclone_kit.contract)
@@ -41,8 +42,8 @@ from cyclone_kit.errors import ValidationError
 from cyclone_kit.fileio import read_json, write_atomic
 
 __all__ = [
-    "RunDir", "RunRecord", "StudyDir", "create_run_dir", "find_runs", "is_run_dir", "last_end_status", "read_run",
-    "remove_run_dir", "run_dir_name", "write_atomic",
+    "RunDir", "RunRecord", "StudyDir", "create_run_dir", "find_runs", "find_studies", "is_run_dir", "last_end_status",
+    "read_run", "remove_run_dir", "run_dir_name", "write_atomic",
 ]
 
 SPEC_FILE = "spec.json"
@@ -59,6 +60,7 @@ SWEEP_FILE = "sweep.json"
 SUBMITTED_FILE = "submitted.json"
 REPORT_SCRIPT_FILE = "report.sbatch"
 REPORT_DIR = "report"
+CANCEL_FILE = "cancel_requested"
 USER_SCRIPT_DIR = "script"  # the copy of a user's training script (cyclone_kit/script.py)
 SHIM_FILE = "shim.jsonl"  # the launch shim's start/end records (cyclone_kit/launch.py)
 
@@ -220,6 +222,24 @@ class RunDir:
         self.write_job_id(job_id)
         self.write_backend(backend)
 
+    @property
+    def cancel_file(self) -> Path:
+        """``cancel_requested``: the job id a user's ``cancel`` stopped (written before scancel)."""
+        return self.path / CANCEL_FILE
+
+    def write_cancel_request(self, job_id: str) -> None:
+        """Record that the user cancels job ``job_id`` (so the run ends "cancelled", not "preempted")."""
+        write_atomic(self.cancel_file, f"{job_id}\n")
+
+    def cancel_requested(self) -> bool:
+        """True when the user cancelled the job this run directory records (a later resubmission is not)."""
+        cancelled = _read_line(self.cancel_file)
+        return cancelled is not None and cancelled == self.job_id()
+
+    def stop_status(self) -> str:
+        """The end status of a run stopped by a signal: ``cancelled`` after a user's cancel, else ``preempted``."""
+        return "cancelled" if self.cancel_requested() else "preempted"
+
     def write_submitit_job_id(self, job_id: str) -> None:
         """Record the job id submitit gave."""
         write_atomic(self.submitit_job_file, f"{job_id}\n")
@@ -232,6 +252,15 @@ class RunDir:
         """The decoded ``launch.json`` (None when missing)."""
         data = read_json(self.launch)
         return data if isinstance(data, dict) else None
+
+    def end_record(self) -> dict[str, Any] | None:
+        """The last ``end`` record in ``metrics.jsonl`` (None if there is none)."""
+        return last_end_record(self.metrics)
+
+    def newest_checkpoint(self) -> Path | None:
+        """The checkpoint written last (None when there is none)."""
+        found = [p for p in self.checkpoints.glob("*") if not p.name.startswith(".")] if self.checkpoints.is_dir() else []
+        return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
 
     def end_status(self) -> str | None:
         """The status of the last ``end`` record in ``metrics.jsonl`` (None if there is none)."""
@@ -291,6 +320,34 @@ class StudyDir:
     def run(self, name: str) -> RunDir:
         """The run directory of the point ``name``."""
         return RunDir(self.path / name)
+
+    def is_study(self) -> bool:
+        """A study directory holds ``sweep.json``."""
+        return self.sweep.is_file()
+
+    def read_sweep(self) -> dict[str, Any]:
+        """The decoded ``sweep.json`` ({} when missing or unreadable)."""
+        data = read_json(self.sweep)
+        return data if isinstance(data, dict) else {}
+
+    def read_submitted(self) -> dict[str, Any] | None:
+        """The decoded ``submitted.json`` (None before the study was submitted or run)."""
+        data = read_json(self.submitted)
+        return data if isinstance(data, dict) else None
+
+    def report_job_id(self) -> str | None:
+        """The report job's id, when a report job was submitted."""
+        report = (self.read_submitted() or {}).get("report")
+        job_id = report.get("job_id") if isinstance(report, dict) else None
+        return str(job_id) if job_id else None
+
+    def point_dirs(self) -> list[RunDir]:
+        """Every point's run directory: as ``submitted.json`` lists them, else the run directories inside."""
+        entries = (self.read_submitted() or {}).get("runs")
+        if isinstance(entries, list) and entries:
+            names = [str(e.get("run_dir") or e.get("name")) for e in entries if isinstance(e, dict)]
+            return [self.run(n) for n in dict.fromkeys(names)]
+        return [RunDir(p) for p in sorted(self.path.iterdir()) if p.is_dir() and is_run_dir(p)]
 
 
 def sweep_file_of(directory: Path) -> Path:
@@ -368,9 +425,9 @@ def is_run_dir(path: Path) -> bool:
     return RunDir(path).is_run_dir()
 
 
-def last_end_status(metrics: Path) -> str | None:
-    """The status of the last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
-    status = None
+def last_end_record(metrics: Path) -> dict[str, Any] | None:
+    """The last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
+    found = None
     try:
         lines = Path(metrics).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -381,8 +438,14 @@ def last_end_status(metrics: Path) -> str | None:
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("kind") == "end":
-            status = str(rec.get("status"))
-    return status
+            found = rec
+    return found
+
+
+def last_end_status(metrics: Path) -> str | None:
+    """The status of the last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
+    rec = last_end_record(metrics)
+    return None if rec is None else str(rec.get("status"))
 
 
 def read_run(run_dir: Path) -> RunRecord:
@@ -406,3 +469,12 @@ def find_runs(runs_dir: Path) -> list[Path]:
     found += [p for study in runs_dir.iterdir() if study.is_dir() and not is_run_dir(study)
               for p in study.iterdir() if p.is_dir() and is_run_dir(p)]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def find_studies(runs_dir: Path) -> list[StudyDir]:
+    """Study directories directly below ``runs_dir``, newest first."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    found = [StudyDir(p) for p in runs_dir.iterdir() if p.is_dir() and StudyDir(p).is_study()]
+    return sorted(found, key=lambda s: s.path.stat().st_mtime, reverse=True)

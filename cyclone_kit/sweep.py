@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from cyclone_kit.config import (
+    SECTIONS,
     ClusterProfile,
     JobSpec,
     apply_overrides,
+    did_you_mean,
     read_toml,
     set_fields,
     spec_from_dict,
@@ -234,7 +236,7 @@ def sweep_from_dict(data: Mapping[str, Any], base: Mapping[str, Any] | None = No
     unknown = sorted(set(table) - set(SWEEP_KEYS))
     if unknown:
         raise ValidationError(f"unknown key(s) in [sweep]: {', '.join(unknown)}",
-                              hint=f"valid keys: {', '.join(SWEEP_KEYS)}")
+                              hint=did_you_mean(unknown, SWEEP_KEYS) + f"valid keys: {', '.join(SWEEP_KEYS)}")
     inline = data.get("base", {})
     if not isinstance(inline, Mapping):
         raise ValidationError("[base] must be a job spec table", hint="write [base.train], [base.resources] ...")
@@ -309,6 +311,10 @@ def load_sweep(
     path = Path(path)
     data = read_toml(path)
     table = data.get("sweep")
+    if "sweep" not in data and set(data) & {"name", *SECTIONS}:
+        raise ValidationError(f"{path} is a job spec (no [sweep] table), not a sweep spec",
+                              hint=f"submit one job with `cyclone-kit submit {path}`, or write a sweep file "
+                                   f"with [sweep] base = {path.name!r} (see jobs/strong_scaling.toml)")
     if not isinstance(table, dict):
         return sweep_from_dict(data)  # raises the precise error
     base_ref = table.get("base")

@@ -335,6 +335,8 @@ def summarize_run(parsed: ParsedMetrics) -> dict[str, Any]:
         reason = "no end record (crashed, still running, or truncated)"
     elif status == "preempted":
         reason = "preempted and not resumed"
+    elif status == "cancelled":
+        reason = "cancelled by the user (cyclone-kit cancel)"
     elif status != "completed":
         reason = f"ended with status {status!r}"
     elif not completed:

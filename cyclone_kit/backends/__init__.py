@@ -23,10 +23,21 @@ BACKENDS = {
 }
 
 
+def check_backend_name(name: str) -> str:
+    """``name`` when a backend is registered under it (imports nothing; dry runs check it too).
+
+    Raises:
+        ValidationError: no such backend (with the closest name, when one is close).
+    """
+    if name not in BACKENDS:
+        from cyclone_kit.config import did_you_mean
+
+        raise ValidationError(f"unknown backend {name!r}",
+                              hint=did_you_mean([name], list(BACKENDS)) + f"use one of: {', '.join(BACKENDS)}")
+    return name
+
+
 def get_backend(name: str, **kwargs: Any) -> Backend:
     """Instantiate the backend registered as ``name``."""
-    target = BACKENDS.get(name)
-    if target is None:
-        raise ValidationError(f"unknown backend {name!r}", hint=f"use one of: {', '.join(BACKENDS)}")
-    module, cls = target.split(":")
+    module, cls = BACKENDS[check_backend_name(name)].split(":")
     return getattr(importlib.import_module(module), cls)(**kwargs)

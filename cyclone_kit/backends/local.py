@@ -660,7 +660,8 @@ def run_dir_status(job_id: str, run_dir: Path | None) -> JobInfo:
     rd = RunDir(run_dir) if run_dir is not None else None
     end = rd.end_status() if rd is not None else None
     cause = rd.root_cause() if rd is not None else None
-    state = {"completed": JobState.COMPLETED, "preempted": JobState.PREEMPTED, "failed": JobState.FAILED}.get(
+    state = {"completed": JobState.COMPLETED, "preempted": JobState.PREEMPTED, "cancelled": JobState.CANCELLED,
+             "failed": JobState.FAILED}.get(
         end or "", JobState.FAILED if cause else JobState.UNKNOWN)
     name = str(rd.read_spec().get("name", rd.path.name)) if rd is not None else ""
     return JobInfo(job_id, name, state, 0, "", 0, "", None, None)

@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
 
     handle = handle_of_target(args.target)
     backend = get_backend(handle.backend)
+    if handle.run_dir is not None:  # the run's end record then says "cancelled", not "preempted"
+        from cyclone_kit.rundir import RunDir
+
+        RunDir(handle.run_dir).write_cancel_request(handle.job_id)
     backend.cancel(handle)
     wait = getattr(backend, "wait", None)
     info = wait(handle, timeout=60) if wait is not None else backend.status(handle)

@@ -21,6 +21,8 @@ BACKENDS = ("slurm", "submitit", "local")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``sweep``."""
+    from cyclone_kit.jobspec import add_data_check_argument
+
     p = sub.add_parser(
         "sweep",
         help="run a strong or weak scaling study (one run per point) and its report",
@@ -45,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="slurm/submitit: run the points one after another (as serial = true in the spec)")
     p.add_argument("--wait", action="store_true", help="slurm/submitit: wait until every job (and the report) ended")
     p.add_argument("--quiet", action="store_true", help="local: do not echo rank 0's output")
+    add_data_check_argument(p)
     p.set_defaults(func=run)
 
 
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from cyclone_kit import study as lib
     from cyclone_kit.config import load_profile
     from cyclone_kit.errors import ValidationError
+    from cyclone_kit.jobspec import check_data_dir
     from cyclone_kit.sweep import load_sweep
 
     flags = [(key, getattr(args, dest)) for dest, key in (
@@ -67,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     if args.no_report or args.serial:
         sweep = dataclasses.replace(sweep, report=sweep.report and not args.no_report,
                                     serial=sweep.serial or args.serial)
+    if not args.no_data_check:
+        check_data_dir(sweep.base)
     if sweep.base.script is not None:  # the script exists and compiles; its hash goes into every point
         from cyclone_kit.jobspec import check_backend, checked_spec
 

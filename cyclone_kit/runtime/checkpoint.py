@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from cyclone_kit.fileio import FILE_MODE
+
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 
@@ -59,6 +61,7 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
     final = checkpoint_path(folder, step)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, FILE_MODE)  # group-readable like every run-directory file (cyclone_kit.fileio)
         with os.fdopen(fd, "wb") as f:
             torch.save({"format": FORMAT, **state}, f)
             f.flush()

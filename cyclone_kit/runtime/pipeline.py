@@ -494,7 +494,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
             _end_epoch(writer, env, stage, data, shape, tc.microbatches, epoch, time.perf_counter() - epoch_t0,
                        tc.val_every_epochs > 0, distributed, dev)
         state.save(step, epoch)
-        status = "completed" if agreed == NONE else "preempted"
+        status = "completed" if agreed == NONE else RunDir(run_dir).stop_status()  # a user's cancel: cancelled
     finally:
         wall = time.perf_counter() - t_start
         writer.write(mx.end_record(status, step, mx.steady_state(rates), wall, mx.utc_now()))
@@ -590,7 +590,8 @@ class _State:
             }
             if self.scaler is not None:
                 state["loss_scale"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.spec.checkpoint.keep)
+            path = ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.spec.checkpoint.keep)
+            print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
         if self.distributed:  # the others wait while rank 0 writes: on gloo, off NCCL's watchdog
             import torch.distributed as dist
 

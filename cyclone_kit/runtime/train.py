@@ -493,7 +493,7 @@ class _Loop:
         if agreed == NONE and step % plan.steps_per_epoch:
             self._end_epoch(epoch, time.perf_counter() - epoch_t0, validate=tc.val_every_epochs > 0)
         self._checkpoint(step, epoch)
-        status = "completed" if agreed == NONE else "preempted"
+        status = "completed" if agreed == NONE else RunDir(self.run_dir).stop_status()  # a user's cancel: cancelled
         wall = time.perf_counter() - t_start
         self.writer.write(mx.end_record(status, step, mx.steady_state(self.global_rates), wall, mx.utc_now()))
         self._rank_summary()
@@ -616,7 +616,8 @@ class _Loop:
             }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
-            ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.cc.keep)
+            path = ckpt.save_checkpoint(RunDir(self.run_dir).checkpoints, state, step, self.cc.keep)
+            print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
             if optim_format == "dcp":
                 from cyclone_kit.runtime import fsdp_ckpt
 

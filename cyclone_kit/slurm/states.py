@@ -111,3 +111,47 @@ def parse_state(raw: str) -> JobState:
         return JobState.UNKNOWN
     word = text.split()[0].split(",")[0].rstrip("+*")
     return _RAW.get(word, JobState.UNKNOWN)
+
+
+#: Why a job waits, in words (Slurm's pending reasons users meet most; ``{id}`` is the job id).
+PENDING_REASONS: dict[str, str] = {
+    "JobHeldUser": "held by its owner; `scontrol release {id}` lets it run",
+    "JobHeldAdmin": "held by an administrator; ask them to release it",
+    "Dependency": "waits until the jobs it depends on have ended",
+    "DependencyNeverSatisfied": "a job it depends on did not end as required, so it will never start; cancel it",
+    "BeginTime": "waits for its begin time (sbatch --begin)",
+    "Resources": "waits for free nodes",
+    "Priority": "waits behind jobs with a higher priority",
+    "ReqNodeNotAvail": "a node it needs is down, drained or reserved",
+    "PartitionNodeLimit": "asks for more nodes than the partition allows; it will not start",
+    "PartitionTimeLimit": "asks for more time than the partition allows; it will not start",
+    "QOSMaxJobsPerUserLimit": "waits: you have as many jobs running as your QOS allows",
+    "AssocMaxJobsLimit": "waits: your account has as many jobs running as it may",
+    "None": "just submitted; the scheduler has not looked at it yet",
+}
+
+
+def explain_state(job_id: str, state: JobState, reason: str, restart_count: int | None = None) -> str | None:
+    """One line saying why a job that has not started waits (pure), or None when it is not waiting.
+
+    ``job 44 is PENDING (JobHeldUser): held by its owner; `scontrol release 44` lets it run``.
+    A requeued job says so: Slurm holds it (reason ``BeginTime``) for a short while before it
+    starts again from its checkpoint.
+    """
+    if state not in (JobState.PENDING, JobState.REQUEUED, JobState.SUSPENDED):
+        return None
+    head = f"job {job_id} is {state.value}" + (f" ({reason})" if reason else "")
+    if state is JobState.SUSPENDED:
+        return f"{head}: suspended by the scheduler; it resumes where it stopped"
+    if restart_count or state is JobState.REQUEUED:
+        times = f"{restart_count} time(s)" if restart_count else "again"
+        held = " and held; `scontrol release {id}` lets it run"
+        why = {"BeginTime": "; Slurm holds a requeued job until its begin time, a short delay after the requeue",
+               "JobHeldUser": " and held by its owner; `scontrol release {id}` lets it run",
+               "job requeued in held state": held, "job_requeued_in_held_state": held,
+               "JobHeldAdmin": " and held by an administrator"}.get(reason)
+        if why is None:
+            why = f"; {PENDING_REASONS[reason]}" if reason in PENDING_REASONS else ""
+        return f"{head}: requeued {times}{why.format(id=job_id)}; it then resumes from its last checkpoint"
+    why = PENDING_REASONS.get(reason or "None")
+    return f"{head}: {why.format(id=job_id)}" if why else head

@@ -167,6 +167,57 @@ CASES: list[tuple[str, dict[str, str], list[str], dict[str, str]]] = [
 ]
 
 
+# ---- CLI stumbles (issue 17): each also names the fix; (id, files, argv, env, text the error line must hold)
+STUMBLES: list[tuple[str, dict[str, str], list[str], dict[str, str], str]] = [
+    ("flag-misspelt-did-you-mean", {}, ["submit", "--nods", "2", "--dry-run"], {}, "did you mean --nodes (not --nods)"),
+    ("sweep-flag-misspelt", {"sw.toml": SWEEP}, ["sweep", "{d}/sw.toml", "--baknd", "local", "--dry-run"], {},
+     "did you mean --backend"),
+    ("status-flag-misspelt", {}, ["status", "--runsdir", "{d}"], {}, "did you mean --runs-dir"),
+    ("set-key-misspelt", {}, ["submit", "--set", "train.lrr=0.1", "--dry-run"], {}, "did you mean train.lr (not train.lrr)"),
+    ("set-short-key-misspelt", {}, ["submit", "--set", "lrr=0.1", "--dry-run"], {}, "did you mean lr (not lrr)"),
+    ("toml-key-misspelt", {"s.toml": "[train]\nlrr = 0.1\n"}, ["submit", "{d}/s.toml", "--dry-run"], {},
+     "did you mean lr (not lrr)"),
+    ("toml-section-misspelt", {"s.toml": "[trian]\nlr = 0.1\n"}, ["submit", "{d}/s.toml", "--dry-run"], {},
+     "did you mean train (not trian)"),
+    ("sweep-key-misspelt", {"s.toml": SWEEP + "world_size = [1, 2]\n"}, ["sweep", "{d}/s.toml", "--dry-run"], {},
+     "did you mean world_sizes"),
+    ("sweep-spec-to-submit", {"s.toml": SWEEP + "world_sizes = [1, 2]\n"}, ["submit", "{d}/s.toml", "--dry-run"], {},
+     "`cyclone-kit sweep "),
+    ("sweep-spec-to-real-submit", {"s.toml": SWEEP + "world_sizes = [1, 2]\n"},
+     ["submit", "{d}/s.toml", "--runs-dir", "{d}/runs"], {}, "`cyclone-kit sweep "),
+    ("job-spec-to-sweep", {}, ["sweep", SMOKE, "--dry-run"], {}, "`cyclone-kit submit "),
+    ("submit-backend-misspelt-dry-run", {}, ["submit", "--backend", "slrum", "--dry-run"], {}, "did you mean slurm"),
+    ("submit-backend-unknown-dry-run", {}, ["submit", "--backend", "pbs", "--dry-run"], {}, "use one of: slurm"),
+    ("data-dir-missing", {}, ["submit", "--set", "train.dataset=cifar10", "--set", "train.data_dir={d}/no-data",
+                              "--profile", "local", "--runs-dir", "{d}/runs"], {}, "--no-data-check"),
+    ("data-dir-missing-dry-run", {}, ["submit", "--set", "train.dataset=imagefolder", "--set",
+                                      "train.data_dir={d}/no-data", "--dry-run"], {}, "does not exist on this machine"),
+    ("data-dir-is-a-file", {"afile": "x"}, ["submit", "--set", "train.dataset=cifar10", "--set",
+                                            "train.data_dir={d}/afile", "--dry-run"], {}, "is not a directory"),
+    ("sweep-data-dir-missing", {"s.toml": SWEEP + "world_sizes = [1, 2]\nglobal_batch_size = 32\n"},
+     ["sweep", "{d}/s.toml", "--set", "train.dataset=fashion_mnist", "--set", "train.data_dir={d}/no-data",
+      "--backend", "local", "--runs-dir", "{d}/runs"], {}, "--no-data-check"),
+]
+CASES += [c[:4] for c in STUMBLES]
+
+
+@pytest.mark.parametrize(("files", "argv", "text"), [(c[1], c[2], c[4]) for c in STUMBLES], ids=[c[0] for c in STUMBLES])
+def test_stumbles_name_the_fix(files, argv, text, tmp_path, cli):
+    for rel, content in files.items():
+        (tmp_path / rel).write_text(content)
+    result = cli(*[a.replace("{d}", str(tmp_path)) for a in argv], cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert text in result.stderr, result.stderr
+
+
+def test_data_check_opt_out_renders_the_job(tmp_path, cli):
+    """--no-data-check: a path only the compute nodes see is left to them (the script is rendered, not refused)."""
+    result = cli("submit", "--set", "train.dataset=cifar10", "--set", "train.data_dir=/scratch/only-on-nodes",
+                 "--no-data-check", "--dry-run", cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("#!/bin/bash") and "#SBATCH --job-name=" in result.stdout
+
+
 @pytest.mark.parametrize(("files", "argv", "env"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_exits_2_with_one_hint_line(files, argv, env, tmp_path, cli):
     for rel, text in files.items():

@@ -56,6 +56,17 @@ def test_local_strong_study_and_report(tmp_path: Path) -> None:
                                                                         ("it-strong", "strong", "2")]
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["samples_per_s"]) > 0
     assert (study / "report" / "report.html").is_file()
+    # issue 17: status and logs answer for the study directory (every point, then the report)
+    status = run_cli("status", str(study), timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    table = status.stdout.splitlines()
+    assert table[0] == f"study {study}" and table[1].split() == ["JOBID", "NAME", "STATE", "NODES", "ELAPSED", "REASON"]
+    assert [line.split()[2] for line in table[2:]] == ["COMPLETED", "COMPLETED", "COMPLETED"], status.stdout
+    assert table[-1].split()[:3] == ["-", "it-strong-report", "COMPLETED"], status.stdout
+    logs = run_cli("logs", str(study), timeout=60)
+    assert logs.returncode == 0, logs.stderr
+    for point in sweep["points"]:
+        assert f"==> {point['run_dir']}/logs/rank-0.out <==" in logs.stdout, logs.stdout[:2000]
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path) -> None:

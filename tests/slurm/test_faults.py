@@ -22,6 +22,7 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.errors import CycloneError
 from cyclone_kit.failures import root_cause
+from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.slurm.states import JobState
 from tests.conftest import REPO, run_cli
 
@@ -183,7 +184,7 @@ def test_sigkill_of_one_rank_fails_the_job_fast_with_the_root_cause(slurm_cluste
     assert (record["rank"], record["host"], record["signal"]) == (1, "c1", "SIGKILL"), record
 
     status = run_cli("status", str(run_dir), timeout=HANG_S)
-    assert status.returncode == 0, status.stderr
+    assert status.returncode == 1, status.stderr  # issue 17: status exits 1 when a job it shows has failed
     first = status.stdout.splitlines()[0]
     assert first.startswith("root cause") and "rank 1" in first and "SIGKILL" in first, status.stdout
     assert re.search(rf"^{job_id}\s+smoke\s+FAILED\s", status.stdout, re.M), status.stdout
@@ -222,3 +223,14 @@ def test_cancel_stops_a_running_two_node_training_job(slurm_cluster: dict[str, s
     assert status.returncode == 0, status.stderr
     assert re.search(rf"^{job_id}\s+smoke\s+CANCELLED\s", status.stdout, re.M), status.stdout
     assert "root cause" not in status.stdout, "a cancelled job is not a failure"
+    # issue 17: a user's cancel ends "cancelled" (not "preempted"), and the log names the last checkpoint
+    ends = [r for r in read_records(run_dir) if r["kind"] == "end"]
+    assert ends and ends[-1]["status"] == "cancelled", ends
+    (last, _), *_ = ck.list_checkpoints(run_dir / "checkpoints")
+    logs = run_cli("logs", str(run_dir), timeout=HANG_S)
+    assert logs.returncode == 0, logs.stderr
+    lines = logs.stdout.splitlines()
+    checkpoint = ck.checkpoint_path(Path("checkpoints"), last)
+    assert any(f"cancelled at step {last}" in line for line in lines), logs.stdout[-3000:]
+    assert any(f"checkpoint of step {last} written" in line or f"last checkpoint written: {checkpoint}" in line
+               for line in lines), logs.stdout[-3000:]

@@ -84,6 +84,7 @@ def test_summary_of_a_requeued_run() -> None:
     [
         (("completed", None), "incomplete", "no end record"),  # requeued, then crashed
         (("preempted",), "preempted", "preempted and not resumed"),
+        (("preempted", "cancelled"), "cancelled", "cancelled by the user"),  # issue 17: a user's cancel
         (("failed",), "failed", "ended with status 'failed'"),
         ((None,), "incomplete", "no end record"),
     ],
