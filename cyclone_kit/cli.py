@@ -83,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that pass everything after ``--`` to the user's script.
+SCRIPT_COMMANDS = ("submit", "run")
+
+
+def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """Split ``argv`` at the first ``--``: (cyclone-kit's arguments, the script's or None; pure)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, None
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def empty_option(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     """The first option (or positional) given an empty or blank string, e.g. ``--partition "$UNSET"``.
 
@@ -106,10 +119,17 @@ def empty_option(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (2 for every CycloneError)."""
     parser = build_parser()
+    own, script_args = split_script_args(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(own)
     except SystemExit as e:
         return int(e.code or 0)
+    if script_args is not None:
+        if getattr(args, "command", None) not in SCRIPT_COMMANDS:
+            sys.stderr.write(f"error: arguments after -- are only for a script run by {' or '.join(SCRIPT_COMMANDS)} "
+                             "HINT: e.g. cyclone-kit submit train.py --nodes 2 -- --epochs 3\n")
+            return 2
+        args.script_args = script_args
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

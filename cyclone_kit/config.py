@@ -338,19 +338,103 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class ScriptConfig:
+    """The user's own training program, run on every rank instead of the built-in trainer.
+
+    Exactly one of ``path`` (a ``.py`` file; absolute once resolved) and ``module`` (run as
+    ``python -m MODULE``). ``args`` may hold the placeholders of :data:`SCRIPT_PLACEHOLDERS`
+    (filled per job by :func:`fill_script_args`). ``batch_size`` is the per-device batch the
+    script trains with, when known (records, sweeps, ``{per_device_batch_size}``); 0: not told.
+    ``sha256`` is the content hash of the script file recorded at submission.
+    """
+
+    path: str = ""
+    module: str = ""
+    args: tuple[str, ...] = ()
+    batch_size: int = 0
+    sha256: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.path) == bool(self.module):
+            raise ValidationError(
+                "[script] needs exactly one of path and module",
+                hint='write path = "train.py" (a file) or module = "pkg.train" (python -m), not both',
+            )
+        if self.module and not all(part.isidentifier() for part in self.module.split(".")):
+            raise ValidationError(f"script.module {self.module!r} is not a dotted module name",
+                                  hint='e.g. module = "mypkg.train"')
+        if self.path and ("\n" in self.path or "\0" in self.path):
+            raise ValidationError(f"script.path {self.path!r} contains a line break or NUL",
+                                  hint="rename the file or give another path")
+        for arg in self.args:
+            if "\0" in arg:
+                raise ValidationError(f"script argument {arg!r} contains NUL", hint="remove it")
+        _non_negative("script.batch_size", self.batch_size)
+        if self.sha256 and (len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256)):
+            raise ValidationError(f"script.sha256 {self.sha256!r} is not a SHA-256 hex digest",
+                                  hint="drop it: cyclone_kit records the hash itself")
+
+    @property
+    def label(self) -> str:
+        """The script's file name, or ``-m MODULE``."""
+        return Path(self.path).name if self.path else f"-m {self.module}"
+
+
+#: Placeholders a script's args may use (filled per job; strong sweeps: per-device = global / N).
+SCRIPT_PLACEHOLDERS = ("per_device_batch_size", "global_batch_size", "world_size", "num_nodes")
+
+
+def fill_script_args(args: typing.Iterable[str], values: typing.Mapping[str, int]) -> tuple[str, ...]:
+    """Replace ``{world_size}`` & co. (:data:`SCRIPT_PLACEHOLDERS`) in ``args`` (pure).
+
+    Other braces are left alone (JSON in an argument stays intact).
+
+    Raises:
+        ValidationError: a placeholder is used but its value is unknown (0), e.g.
+            ``{per_device_batch_size}`` without ``script.batch_size`` or a sweep.
+    """
+    import re
+
+    def sub(match: re.Match[str]) -> str:
+        key = match.group(1)
+        value = values.get(key, 0)
+        if not value:
+            raise ValidationError(
+                f"script argument uses {{{key}}} but this job does not know it",
+                hint="set script.batch_size (the per-device batch), or run the script in a sweep",
+            )
+        return str(value)
+
+    pattern = re.compile(r"\{(" + "|".join(SCRIPT_PLACEHOLDERS) + r")\}")
+    return tuple(pattern.sub(sub, arg) for arg in args)
+
+
+@dataclass(frozen=True)
 class JobSpec:
-    """A whole job: its name plus the train, resources and checkpoint sections."""
+    """A whole job: its name plus the train (or script), resources and checkpoint sections.
+
+    A job runs either the built-in trainer (``train``) or the user's own program (``script``,
+    not None); ``train`` keeps its defaults and is unused in the second case.
+    """
 
     name: str = "cyclone"
     train: TrainConfig = field(default_factory=TrainConfig)
     resources: Resources = field(default_factory=Resources)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    script: ScriptConfig | None = None
 
     def __post_init__(self) -> None:
         validate_name(self.name)
 
+    @property
+    def per_device_batch_size(self) -> int:
+        """The per-device batch: ``train.batch_size``, or ``script.batch_size`` (0 when not told)."""
+        return self.script.batch_size if self.script is not None else self.train.batch_size
+
 
 SECTIONS: dict[str, type] = {"train": TrainConfig, "resources": Resources, "checkpoint": CheckpointConfig}
+#: Sections a spec may leave out entirely (None then).
+OPTIONAL_SECTIONS: dict[str, type] = {"script": ScriptConfig}
 
 
 def validate_name(name: str) -> None:
@@ -367,14 +451,23 @@ def spec_from_dict(data: dict[str, Any]) -> JobSpec:
     """Build a JobSpec from a nested dict (a parsed TOML file); unknown keys are errors."""
     if not isinstance(data, dict):
         raise ValidationError("a job spec must be a table", hint="see jobs/smoke.toml")
-    unknown = set(data) - {"name", *SECTIONS}
+    unknown = set(data) - {"name", *SECTIONS, *OPTIONAL_SECTIONS}
     if unknown:
         raise ValidationError(
             f"unknown job spec key(s): {', '.join(sorted(unknown))}",
-            hint=did_you_mean(sorted(unknown), ["name", *SECTIONS])
-            + f"valid top-level keys: name, {', '.join(SECTIONS)}",
+            hint=did_you_mean(sorted(unknown), ["name", *SECTIONS, *OPTIONAL_SECTIONS])
+            + f"valid top-level keys: name, {', '.join([*SECTIONS, *OPTIONAL_SECTIONS])}",
         )
     kwargs: dict[str, Any] = {}
+    if "script" in data:
+        if "train" in data:
+            raise ValidationError(
+                "the job spec has both [train] and [script]",
+                hint="[script] runs your own program instead of the built-in trainer: keep one of the two",
+            )
+        if not isinstance(data["script"], dict):
+            raise ValidationError("job spec key 'script' must be a table", hint='write [script] then path = "train.py"')
+        kwargs["script"] = _build(ScriptConfig, "script", data["script"])
     for section, cls in SECTIONS.items():
         sdata = data.get(section, {})
         if not isinstance(sdata, dict):
@@ -391,6 +484,11 @@ def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
     """The inverse of :func:`spec_from_dict` (JSON-serialisable; None values kept)."""
     out = dataclasses.asdict(spec)
     out["resources"]["extra_sbatch"] = list(spec.resources.extra_sbatch)
+    if spec.script is None:
+        del out["script"]
+    else:
+        del out["train"]  # unused: the script trains
+        out["script"]["args"] = list(spec.script.args)
     return out
 
 
@@ -489,14 +587,14 @@ def resolve_key(key: str) -> tuple[str | None, str]:
         return None, "name"
     section, dot, fname = key.partition(".")
     if dot:
-        cls = SECTIONS.get(section)
+        cls = SECTIONS.get(section) or OPTIONAL_SECTIONS.get(section)
         if cls is not None and fname in _field_names(cls):
             return section, fname
     else:
         owners = [s for s, cls in SECTIONS.items() if key in _field_names(cls)]
         if len(owners) == 1:
             return owners[0], key
-    valid = ["name"] + [f"{s}.{f}" for s, cls in SECTIONS.items() for f in _field_names(cls)]
+    valid = ["name"] + [f"{s}.{f}" for s, cls in {**SECTIONS, **OPTIONAL_SECTIONS}.items() for f in _field_names(cls)]
     short = [f for cls in SECTIONS.values() for f in _field_names(cls)] if not dot else []
     raise ValidationError(f"unknown spec key {key!r}",
                           hint=did_you_mean([key], valid + short) + f"valid keys: {', '.join(valid)}")

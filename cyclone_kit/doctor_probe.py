@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.ports import can_bind
+
 #: variables that choose the network interface or transport of gloo / NCCL / MPI.
 NET_VARS = (
     "GLOO_SOCKET_IFNAME",
@@ -114,15 +116,6 @@ def local_facts(environ: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
 def _connect(addr: str, port: int, timeout: float = 2.0) -> str:
     """``"ok"`` when a TCP connection to addr:port opens, else the error."""
     try:
@@ -181,7 +174,7 @@ def probe(out_dir: Path, environ: Mapping[str, str], *, timeout_s: float, megaby
         report.save("bootstrap")
         return 1
     if env.rank == 0:
-        boot["port_free"] = _port_free(env.master_port)
+        boot["port_free"] = can_bind(env.master_port)
     backend = "nccl" if cuda_count else "gloo"
     boot["backend"] = backend
     report.save("bootstrap")

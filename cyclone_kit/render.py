@@ -134,7 +134,27 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "port_base": PORT_BASE,
         "glibc_tunables": GLIBC_TUNABLES,
         "port_span": PORT_SPAN,
+        "entry": rank_entry(job, run_dir),
     }
+
+
+def rank_entry(job: ResolvedJob, run_dir: Path | str) -> str:
+    """What every rank runs after ``python`` (one shell-quoted string; pure).
+
+    The built-in trainer: ``-m cyclone_kit.runtime --run-dir DIR``. A user's script: the launch
+    shim, ``-m cyclone_kit.launch --run-dir DIR [--horovod] (SCRIPT | -m MODULE) ARGS...``
+    (:mod:`cyclone_kit.launch`), which sets the torchrun variables and then runs it.
+    """
+    script = job.spec.script
+    if script is None:
+        words = ["-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)]
+    else:
+        words = ["-m", "cyclone_kit.launch", "--run-dir", str(run_dir)]
+        if job.spec.resources.launcher == "horovod":
+            words.append("--horovod")
+        words += ["-m", script.module] if script.module else [script.path]
+        words += list(script.args)
+    return " ".join(shell_quote(w) for w in words)
 
 
 def render_script(

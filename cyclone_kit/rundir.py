@@ -61,6 +61,8 @@ SUBMITTED_FILE = "submitted.json"
 REPORT_SCRIPT_FILE = "report.sbatch"
 REPORT_DIR = "report"
 CANCEL_FILE = "cancel_requested"
+USER_SCRIPT_DIR = "script"  # the copy of a user's training script (cyclone_kit/script.py)
+SHIM_FILE = "shim.jsonl"  # the launch shim's start/end records (cyclone_kit/launch.py)
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,15 @@ class RunDir:
     def submitit_job_file(self) -> Path:
         """``submitit_job``: the job id submitit gave, written as soon as it is known."""
         return self.path / SUBMITIT_JOB_FILE
+
+    @property
+    def shim(self) -> Path:
+        """``shim.jsonl``: rank 0's launch-shim start/end records of a user script (one pair a segment)."""
+        return self.path / SHIM_FILE
+
+    def user_script_copy(self, name: str) -> Path:
+        """``script/<name>``: the copy of the user's training script taken at submission."""
+        return self.path / USER_SCRIPT_DIR / name
 
     def rank_log(self, rank: int, stream: str = "out") -> Path:
         """``logs/rank-N.out`` (``stream="err"``: ``.err``) of the local launcher."""

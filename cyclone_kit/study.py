@@ -103,7 +103,7 @@ def create_study(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_
     Raises:
         ValidationError: a value cannot be rendered, or ``runs_dir`` is not writable.
     """
-    from cyclone_kit.jobspec import spec_json
+    from cyclone_kit.jobspec import script_files, spec_json
     from cyclone_kit.render import render_script
 
     runs_dir = Path(runs_dir).absolute()
@@ -116,6 +116,9 @@ def create_study(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_
             rd = study.run(r.name)
             rd.logs.mkdir(parents=True)
             rd.write_spec(spec_json(r.job))
+            for rel, content in script_files(r.job.spec).items():  # a user script's copy
+                (rd.path / rel).parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(rd.path / rel, content)
             rd.write_script(render_script(r.job, rd.path))
         record = sweep_record(sweep, runs, profile or runs[0].job.profile, backend)
         write_atomic(study.sweep, json.dumps(record, indent=2) + "\n")
@@ -141,6 +144,7 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
         out, err: progress lines and failure reports (default: nowhere).
     """
     from cyclone_kit.backends.local import LocalBackend, available_cores, format_failure, launch
+    from cyclone_kit.launch import rank_command
 
     out, err = out or io.StringIO(), err or io.StringIO()
     outcome = StudyOutcome(study, foreground=True)
@@ -151,7 +155,8 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
             threads = max(1, min(r.job.cpus_per_task, cores // r.world_size))
             rd.set_threads(threads)
             print(f"== {r.name}: {r.world_size} rank(s), {threads} thread(s) each", file=out, flush=True)
-            result = launch(rd.path, r.world_size, r.job.nodes, threads=threads, job_name=r.job.spec.name, echo=echo)
+            result = launch(rd.path, r.world_size, r.job.nodes, threads=threads, job_name=r.job.spec.name, echo=echo,
+                            command=rank_command(r.job.spec, rd.path))
             rd.write_submission(result.job_id, LocalBackend.name)
             outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": result.job_id,
                                     "status": "completed" if result.ok else "failed",

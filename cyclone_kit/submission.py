@@ -12,14 +12,14 @@ from cyclone_kit.validate import ResolvedJob
 
 
 def prepare_run_dir(job: ResolvedJob, runs_dir: Path, extra_files: dict[str, str] | None = None) -> Path:
-    """Write ``job.sbatch`` and ``spec.json`` into a new run directory, all or nothing."""
-    from cyclone_kit.jobspec import spec_json
+    """Write ``job.sbatch`` and ``spec.json`` (and a user script's copy) into a new run directory, all or nothing."""
+    from cyclone_kit.jobspec import script_files, spec_json
 
     runs_dir = Path(runs_dir).absolute()
     # Render first against a placeholder so a bad value fails before anything is created,
     # then render for real once the final directory name is known.
     render_script(job, runs_dir / run_dir_name(job.spec.name))
-    rd = RunDir.create(runs_dir, job.spec.name, spec_json(job), extra_files)
+    rd = RunDir.create(runs_dir, job.spec.name, spec_json(job), {**script_files(job.spec), **(extra_files or {})})
     try:
         rd.write_script(render_script(job, rd.path))
     except BaseException:

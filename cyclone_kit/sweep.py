@@ -133,10 +133,15 @@ class SweepSpec:
                 raise ValidationError(f"sweep {key} must be true or false, got {getattr(self, key)!r}",
                                       hint=f"{key} = true")
         accum = self.base.train.grad_accum
+        if self.base.script is not None and self.mode == "weak" and not self.base.script.batch_size:
+            raise ValidationError(
+                "a weak-scaling sweep of a script needs the per-device batch it trains with",
+                hint="set batch_size = N in the base's [script] table (and pass {per_device_batch_size} in its args)",
+            )
         if self.mode == "strong":
             gbs = self.global_batch_size
             if gbs is None:
-                suggestion = self.base.train.batch_size * min(sizes) * accum
+                suggestion = (self.base.per_device_batch_size or 64) * min(sizes) * accum
                 raise ValidationError(
                     "a strong-scaling sweep needs global_batch_size",
                     hint=f"add global_batch_size = {suggestion} to [sweep] (per-device batch = global / N)",
@@ -164,7 +169,7 @@ class SweepSpec:
         if self.mode == "strong":
             assert self.global_batch_size is not None
             return self.global_batch_size // (world_size * self.base.train.grad_accum)
-        return self.base.train.batch_size
+        return self.base.per_device_batch_size
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,7 @@ class SweepRun:
     @property
     def per_device_batch_size(self) -> int:
         """The per-device batch this run trains with."""
-        return self.job.spec.train.batch_size
+        return self.job.spec.per_device_batch_size
 
     def record(self) -> dict[str, Any]:
         """This run's entry of ``sweep.json`` (``run_dir`` relative to the study directory)."""
@@ -317,14 +322,26 @@ def load_sweep(
     if base_ref is not None:
         if not isinstance(base_ref, str) or not base_ref:
             raise ValidationError(f"sweep base must be a path string, got {base_ref!r}", hint='base = "smoke.toml"')
-        base = read_toml(path.parent / base_ref)
+        base = _absolute_script(read_toml(path.parent / base_ref), (path.parent / base_ref).parent)
     elif "base" not in data:
         return sweep_from_dict(data)  # raises: no base job
     inline = data.get("base", {})
     if not isinstance(inline, dict):
         return sweep_from_dict(data)  # raises: [base] is not a table
+    inline = _absolute_script(inline, path.parent)
     merged = set_fields(apply_overrides(merge_spec_dicts(base, inline), overrides), flags)
     return sweep_from_dict({**data, "sweep": {k: v for k, v in table.items() if k != "base"}, "base": merged})
+
+
+def _absolute_script(spec: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A spec dict whose ``[script]`` path is made absolute from the folder of the file it came from."""
+    table = spec.get("script")
+    if not isinstance(table, dict) or not isinstance(table.get("path"), str) or not table["path"]:
+        return spec
+    script_path = Path(table["path"]).expanduser()
+    if script_path.is_absolute():
+        return spec
+    return {**spec, "script": {**table, "path": str((folder / script_path).absolute())}}
 
 
 # --------------------------------------------------------------------------- expansion
@@ -368,8 +385,18 @@ def point_spec(sweep: SweepSpec, point: SweepPoint, profile: ClusterProfile) -> 
                                         gpus_per_node=point.ntasks_per_node)
     else:
         resources = dataclasses.replace(res, nodes=point.nodes, ntasks_per_node=point.ntasks_per_node)
+    name = f"{sweep.name}-ws{point.world_size}"
+    if sweep.base.script is not None:  # the script's args get the point's numbers ({per_device_batch_size} ...)
+        from cyclone_kit.config import fill_script_args
+
+        per_device = sweep.per_device_batch(point.world_size)
+        values = {"per_device_batch_size": per_device, "global_batch_size": per_device * point.world_size,
+                  "world_size": point.world_size, "num_nodes": point.nodes}
+        script = dataclasses.replace(sweep.base.script, batch_size=per_device,
+                                     args=fill_script_args(sweep.base.script.args, values))
+        return dataclasses.replace(sweep.base, name=name, script=script, resources=resources)
     train = dataclasses.replace(sweep.base.train, batch_size=sweep.per_device_batch(point.world_size))
-    return dataclasses.replace(sweep.base, name=f"{sweep.name}-ws{point.world_size}", train=train, resources=resources)
+    return dataclasses.replace(sweep.base, name=name, train=train, resources=resources)
 
 
 def expand(sweep: SweepSpec, profile: ClusterProfile) -> tuple[SweepRun, ...]:

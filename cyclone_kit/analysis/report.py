@@ -445,6 +445,11 @@ def report_blocks(
         blocks += [Heading(3, "Setup"), _setup_table(study_runs)]
         for strategy, group in study_table.groupby("strategy", sort=False):
             blocks += [Heading(3, f"Scaling table ({strategy})"), _scaling_rows(group, checks)]
+            if strategy == "time-to-solution":  # a user script without ck.log_step (cyclone_kit/launch.py)
+                blocks.append(Paragraph(
+                    "Time to solution: the script logged no steps, so its throughput is solutions per second "
+                    "(1 / the whole script's wall time, from the launch shim) and speed-up = T(N0) / T(N) for the "
+                    "same work. Add ck.log_step for samples/s."))
             fit = next((f for f in fits if f.study == study and f.strategy == strategy), None)
             if fit is not None:
                 blocks.append(Paragraph(_fit_text(fit, checks.fit(str(study), str(strategy)), study_runs)))

@@ -621,8 +621,10 @@ class LocalBackend:
         nproc, nodes = job.world_size, job.nodes
         threads = threads_per_rank(nproc, available_cores())
         rd.set_threads(threads)
+        from cyclone_kit.launch import rank_command  # a user's script runs through the launch shim
+
         result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s)
+                        grace_s=self.grace_s, command=rank_command(job.spec, rd.path))
         rd.write_submission(result.job_id, self.name)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")

@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu", action="store_true", help="hide every GPU from the ranks (CUDA_VISIBLE_DEVICES=''); "
                    "needed when --nproc is larger than the number of GPUs here")
     p.add_argument("--quiet", action="store_true", help="do not echo rank 0's output")
+    p.add_argument("--horovod", action="store_true",
+                   help="a Horovod script: run Horovod's Gloo rendezvous before it, so hvd.init() finds every rank")
     p.add_argument("--resume", metavar="RUN_DIR", help="run an existing run directory again (its spec.json); "
                    "training resumes from its newest checkpoint")
     p.set_defaults(func=run)
@@ -41,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from cyclone_kit.backends.local import LocalBackend, format_failure, launch, local_job
     from cyclone_kit.config import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.errors import ValidationError
-    from cyclone_kit.jobspec import spec_dict_from_args
+    from cyclone_kit.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
+    from cyclone_kit.launch import rank_command
     from cyclone_kit.rundir import RunDir
 
     for flag in ("nproc", "nodes", "threads"):
@@ -55,20 +58,31 @@ def run(args: argparse.Namespace) -> int:
         if not rd.is_run_dir():
             raise ValidationError(f"--resume {args.resume!r} is not a run directory (no spec.json)",
                                   hint="give the run dir printed by the first `run`")
-        if args.spec or args.overrides:
+        if args.spec or args.overrides or args.module or getattr(args, "script_args", None):
             raise ValidationError("--resume takes the run directory's own spec",
-                                  hint="drop SPEC and --set, or start a new run without --resume")
+                                  hint="drop SPEC, SCRIPT, -m, -- ARGS and --set, or start a new run without --resume")
         job = local_job(load_spec(rd.spec), args.nproc, args.nodes, args.threads)
     else:
-        spec = spec_from_dict(spec_dict_from_args(args))
-        job = local_job(spec, args.nproc, args.nodes, args.threads)
+        spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
+        if args.horovod:
+            if spec.script is None:
+                raise ValidationError("--horovod is for a script run",
+                                      hint="give SCRIPT.py, or use --set train.strategy=horovod")
+            import dataclasses
+
+            spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher="horovod"))
+        job = fill_args(local_job(spec, args.nproc, args.nodes, args.threads))
         rd = RunDir.create(Path(args.runs_dir).absolute(), job.spec.name,
-                           json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n")
+                           json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n", script_files(job.spec))
     run_dir = rd.path
     print(f"run dir: {run_dir}")
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {rd.logs}", flush=True)
+    print(f"run dir: {run_dir}")
+    print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
+          f"logs in {rd.logs}", flush=True)
     result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
+                    command=rank_command(job.spec, run_dir),
                     timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
                     extra_env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None)
     rd.write_submission(result.job_id, LocalBackend.name)

@@ -26,12 +26,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Submit (or print) the job; prints the job id and run directory."""
     from cyclone_kit.backends import check_backend_name
-    from cyclone_kit.jobspec import job_from_args
+    from cyclone_kit.jobspec import check_backend, job_from_args
     from cyclone_kit.render import render_script
     from cyclone_kit.rundir import run_dir_name
 
     check_backend_name(args.backend)  # a dry run is a rehearsal of the real submit: same refusals
     job = job_from_args(args)
+    check_backend(job.spec, args.backend)
     runs_dir = Path(args.runs_dir).absolute()
     if args.dry_run:
         sys.stdout.write(render_script(job, runs_dir / run_dir_name(job.spec.name)))

@@ -73,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
                                     serial=sweep.serial or args.serial)
     if not args.no_data_check:
         check_data_dir(sweep.base)
+    if sweep.base.script is not None:  # the script exists and compiles; its hash goes into every point
+        from cyclone_kit.jobspec import check_backend, checked_spec
+
+        check_backend(sweep.base, args.backend)
+        sweep = dataclasses.replace(sweep, base=checked_spec(sweep.base)[0])
     profile = load_profile(sweep.base.resources.profile)
     runs = lib.plan(sweep, profile)
     runs_dir = Path(args.runs_dir).absolute()
