@@ -52,37 +52,38 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
     images = torch.randn(args.batch_size, 3, 32, 32, generator=generator).to(device)
     labels = torch.randint(0, 10, (args.batch_size,), generator=generator).to(device)
-    start = 0
+    start, loss = 0, None
     state = ck.load_checkpoint()  # None on the first run; after a requeue, the checkpoint of the stop
     if state is not None:
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
 
-    timed_from, timed_steps, step, loss = None, 0, start, None
+    loop_start = time.time()
+    timed_from, timed_steps = loop_start, 0
     for step in range(start + 1, args.steps + 1):
         loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         ck.log_step(step, samples=args.batch_size * world, loss=loss)
-        if step == start + 1 and rank == 0:
-            print(f"ddp_ck: first step done at {time.time():.6f}", flush=True)
         if step == min(start + args.warmup, args.steps - 1) or args.steps == 1:
             if cuda:
                 torch.cuda.synchronize()
-            timed_from, timed_steps = time.perf_counter(), -step
+            timed_from, timed_steps = time.time(), args.steps - step
         if ck.stop_requested():  # Slurm's wall-time signal, agreed by every rank after this same step
             ck.save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
+            timed_steps = max(0, timed_steps - (args.steps - step))  # not the steps left for the next segment
             break
     if cuda:
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - timed_from if timed_from is not None else float("nan")
-    timed_steps += step if timed_from is not None else 0
-    rate = timed_steps * args.batch_size * world / elapsed if timed_steps else float("nan")
-    if rank == 0:
-        print(f"ddp_ck: {step} steps, world size {world}, loss {loss.item() if loss is not None else float('nan'):.4f}, "
-              f"{rate:.1f} samples/s", flush=True)
+    timed_to = time.time()
+    samples = timed_steps * args.batch_size * world
+    rate = samples / (timed_to - timed_from) if timed_steps else float("nan")
+    if rank == 0 and loss is not None:
+        print(f"ddp_ck: {args.steps} steps, world size {world}, loss {loss.item():.4f}, {rate:.1f} samples/s "
+              f"(loop started {loop_start:.6f}, timed {timed_from:.6f} to {timed_to:.6f} unix, {samples} samples)",
+              flush=True)
     ck.finish()  # the end record; requeues the job when the requeue signal stopped it; tears the group down
 
 
