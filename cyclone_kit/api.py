@@ -18,6 +18,7 @@ Where things go: the run directory is ``ck.init(run_dir=...)``, else ``$CYCLONE_
 ``cyclone-kit run/submit`` and the sbatch templates), else a new ``./runs/<script>-<stamp>``
 (created by rank 0). Its ``spec.json``, when there is one, supplies ``[checkpoint]`` (keep,
 signal, requeue, max_requeues, poll_s) and ``train.log_every``; defaults otherwise.
+``$CYCLONE_LOG_EVERY`` sets the steps per ``step`` record for a script job (whose spec has no [train]).
 
 Rules: :func:`init` first and once, :func:`finish` last; every rank calls every function the
 same number of times (:func:`stop_requested`, :func:`save_checkpoint` and
@@ -45,8 +46,10 @@ from cyclone_kit.errors import CycloneError, ValidationError
 __all__ = ["ApiUsageError", "Context", "finish", "init", "load_checkpoint", "log_step", "save_checkpoint",
            "stop_requested"]
 
-#: ``train.log_every`` when the run directory has no spec saying otherwise.
+#: ``train.log_every`` when neither the call, the environment nor the run's spec says otherwise.
 DEFAULT_LOG_EVERY = 10
+#: The environment variable that sets the steps per ``step`` record (a script job's spec has no [train]).
+LOG_EVERY_VAR = "CYCLONE_LOG_EVERY"
 
 
 class ApiUsageError(CycloneError):
@@ -144,7 +147,8 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **i
 
     Args:
         run_dir: the run directory (default ``$CYCLONE_RUN_DIR``, else a new ``./runs/<script>-<stamp>``).
-        log_every: steps per ``step`` record (default: the run's ``train.log_every``, else 10).
+        log_every: steps per ``step`` record (default: ``$CYCLONE_LOG_EVERY``, else the run's
+            ``train.log_every``, else 10).
         **info: extra ``start`` record fields (``model``, ``dataset``, ``precision`` ...: they label the report).
 
     Returns:
@@ -188,7 +192,7 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **i
                   local_world_size=env.local_world_size, device=torch.device(session.device.torch_device),
                   is_main=env.is_main, node_rank=env.node_rank, num_nodes=env.num_nodes,
                   restart_count=env.restart_count, run_dir=folder, launcher=session.launcher)
-    _run = _Run(session, ctx, log_every or spec_log_every or DEFAULT_LOG_EVERY, info)
+    _run = _Run(session, ctx, log_every or _env_log_every(environ) or spec_log_every or DEFAULT_LOG_EVERY, info)
     return ctx
 
 
@@ -333,6 +337,20 @@ def _require(name: str) -> _Run:
         raise ApiUsageError(f"ck.{name}() before ck.init()",
                             hint="call ctx = ck.init() once at the start of the script, before any other ck call")
     return _run
+
+
+def _env_log_every(environ: Mapping[str, str]) -> int | None:
+    """``$CYCLONE_LOG_EVERY`` as a positive int (None when unset).
+
+    Raises:
+        ValidationError: it is set to something else.
+    """
+    raw = environ.get(LOG_EVERY_VAR, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValidationError(f"{LOG_EVERY_VAR}={raw!r} is not a positive integer", hint=f"e.g. {LOG_EVERY_VAR}=10")
+    return int(raw)
 
 
 def _spec_settings(run_dir: Path) -> tuple[Any, int | None]:

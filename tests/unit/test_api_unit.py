@@ -84,3 +84,10 @@ def test_mean_loss_of_floats_and_tensors() -> None:
     assert api._mean_loss([]) is None
     assert api._mean_loss([1.0, 3.0]) == 2.0
     assert api._mean_loss([torch.tensor(1.0), torch.tensor([3.0]), 2]) == pytest.approx(2.0)
+
+
+def test_log_every_from_the_environment() -> None:
+    assert api._env_log_every({}) is None and api._env_log_every({"CYCLONE_LOG_EVERY": " 3 "}) == 3
+    for bad in ("0", "-2", "x", "1.5"):
+        with pytest.raises(ValidationError, match="CYCLONE_LOG_EVERY"):
+            api._env_log_every({"CYCLONE_LOG_EVERY": bad})
