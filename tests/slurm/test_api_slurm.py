@@ -7,6 +7,9 @@ do before the time limit, here sent when the test sees training, so the outcome 
 on the machine's speed). Both ranks stop after the same step, rank 0 checkpoints and runs
 ``scontrol requeue``; Slurm starts the job again (SLURM_RESTART_COUNT=1), ``ck.load_checkpoint()``
 resumes it and it completes: every optimizer step logged exactly once across both segments.
+
+The same again through ``cyclone-kit submit examples/ddp_ck.py`` (the generated script, the launch
+shim in front of the script on every rank), with ``checkpoint.poll_s=0`` from the command line.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.proc import run_command
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO
-from tests.slurm.test_faults import cancel_quietly, read_records, wait_for
+from tests.conftest import REPO, run_cli
+from tests.slurm.test_faults import cancel_quietly, parse_submit_output, read_records, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -93,3 +96,37 @@ def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once
     when = [datetime.datetime.fromisoformat(r["time"]) for r in (ends[0], starts[1])]
     print(f"ddp_ck.py job {job_id}: stopped at step {stopped}/{STEPS} on the signal; requeue round trip "
           f"(preempted end record -> next start record) {(when[1] - when[0]).total_seconds():.1f} s")
+
+
+def test_ddp_ck_submitted_by_cyclone_kit_is_requeued_and_resumes_every_step_once(
+        slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    steps = 1000
+    result = run_cli("submit", str(REPO / "examples" / "ddp_ck.py"), "--profile", "local", "--partition", "cpu",
+                     "--nodes", "2", "--ntasks-per-node", "1", "--time", "00:10:00", "--runs-dir", str(tmp_path),
+                     "--set", "checkpoint.poll_s=0", "--", "--steps", str(steps), "--batch-size", "32",
+                     env={"CYCLONE_LOG_EVERY": "1"}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    job_id, run_dir = parse_submit_output(result.stdout)
+    backend = SlurmBackend()
+    try:
+        wait_for(lambda: len([r for r in read_records(run_dir) if r["kind"] == "step"]) >= 3, 180,
+                 "the first steps", poll=0.1)
+        run_command(["scancel", "--signal=USR2", job_id], timeout=30)
+        wait_for(lambda: [r for r in read_records(run_dir) if r["kind"] == "end"], 120, "the stop", poll=0.2)
+        info = backend.wait(job_id, timeout=300)
+    finally:
+        cancel_quietly(backend, job_id)
+    records = read_records(run_dir)
+    out = "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
+    starts = [r for r in records if r["kind"] == "start"]
+    ends = [r for r in records if r["kind"] == "end"]
+    assert info.state is JobState.COMPLETED, (info, out[-3000:])
+    assert [e["status"] for e in ends] == ["preempted", "completed"], (ends, out[-3000:])
+    stopped = ends[0]["steps"]
+    assert 0 < stopped < steps, "the signal came after the run had finished: nothing was tested"
+    assert [(s["restart_count"], s["world_size"], s["strategy"]) for s in starts] == [(0, 2, "script"), (1, 2, "script")]
+    assert starts[1]["start_step"] == stopped
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, steps + 1)), "every step exactly once"
+    assert "requeue 1 of at most 3" in out, out[-3000:]
+    assert not list((run_dir / "ranks").glob("error-rank-*.json")), "a clean requeue is no failure"
+    print(f"cyclone-kit submit examples/ddp_ck.py job {job_id}: stopped at step {stopped}/{steps}, requeued, resumed")
