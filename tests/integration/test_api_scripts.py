@@ -15,9 +15,6 @@ import pytest
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slow
-# `run SCRIPT` and sweeps of scripts are issue 14 part A (cyclone_kit/launch.py, engineer i14); until that branch
-# is merged this module has nothing to run against.
-pytest.importorskip("cyclone_kit.launch", reason="run SCRIPT (issue 14 part A) is not merged yet")
 
 DDP_CK = REPO / "examples" / "ddp_ck.py"
 TIMEOUT_S = 300
