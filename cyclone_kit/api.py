@@ -100,7 +100,6 @@ class _Run:
         self.window_steps = 0
         self.window_samples = 0.0
         self.window_losses: list[Any] = []
-        self.first_samples: float | None = None
         from cyclone_kit.runtime import power
 
         self.energy = power.start_meter(ctx.device)  # GPU energy for the rank summary (NVML), else None
@@ -215,6 +214,7 @@ def load_checkpoint(map_location: Any = "cpu") -> dict[str, Any] | None:
     state, path = found
     step = int(state["step"])
     run.start_step = step
+    run.window_t0 = time.perf_counter()  # the first window times steps, not the load
     if run.ctx.is_main:
         print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
     if USER_STATE in state:
