@@ -24,8 +24,8 @@
 #                      this host's name; used automatically where `unshare --uts` is refused)
 #
 # Must run as root (it writes /etc/slurm and /etc/hosts and starts root daemons). The cluster owns
-# its munge daemon, key and socket (under CK_SLURM_ROOT), so nothing outside the root and the
-# config directory is read or needed. Facts behind each setting: shared/LOCAL-SLURM.md.
+# its munge daemon and key (under CK_SLURM_ROOT; the socket too, but for the /etc/slurm cluster,
+# see MUNGE_SOCK), so nothing from an earlier run is read or needed. Facts behind each setting: shared/LOCAL-SLURM.md.
 #
 # Every failure says what failed: `die` for the expected ones, an ERR trap (command, line, exit
 # code and a hint) for the rest. Nothing exits silently.
