@@ -47,12 +47,12 @@ lint: setup
 unit: setup
 	$(PY) -m pytest -q tests/unit
 
-# As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,DATA}=1 turn their skips into
+# As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,EXTRAS,DATA}=1 turn their skips into
 # failures (tests/conftest.py). The run ends with what was skipped and why.
 test: setup data slurm-up horovod
 	$(PY) -m ruff check .
 	REQ=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0); \
-	CK_REQUIRE_SLURM=$$REQ CK_REQUIRE_ACCOUNTING=$$REQ CK_REQUIRE_HOROVOD=$$REQ CK_REQUIRE_DATA=$$REQ $(PY) -m pytest -q -ra --durations=25
+	CK_REQUIRE_SLURM=$$REQ CK_REQUIRE_ACCOUNTING=$$REQ CK_REQUIRE_HOROVOD=$$REQ CK_REQUIRE_EXTRAS=$$REQ CK_REQUIRE_DATA=$$REQ $(PY) -m pytest -q -ra --durations=25
 
 bench: setup
 	$(PY) bench/run_all.py

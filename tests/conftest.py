@@ -29,9 +29,11 @@ def cli():
 # ------------------------------------------------------------------------ required tiers
 #: tier -> (the variable that makes it required, words its skip reasons contain). The Slurm tier's
 #: own fixture fails by itself under CK_REQUIRE_SLURM=1 (tests/slurm/conftest.py).
+#: Words are matched case-insensitively ("horovod.torch not importable" is the Horovod tier too).
 REQUIRED_TIERS = {
-    "horovod": ("CK_REQUIRE_HOROVOD", ("Horovod",)),
+    "horovod": ("CK_REQUIRE_HOROVOD", ("horovod",)),
     "data": ("CK_REQUIRE_DATA", ("dataset-fashion-mnist",)),
+    "dev extras (lightning, accelerate)": ("CK_REQUIRE_EXTRAS", ("lightning", "accelerate", ".[dev]")),
 }
 
 
@@ -51,7 +53,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return
     reason = _skip_reason(report)
     for tier, (variable, words) in REQUIRED_TIERS.items():
-        if os.environ.get(variable) == "1" and any(word in reason for word in words):
+        if os.environ.get(variable) == "1" and any(word in reason.lower() for word in words):
             report.outcome = "failed"
             report.longrepr = f"the {tier} tier must run here ({variable}=1) but was skipped: {reason}"
 
