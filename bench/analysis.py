@@ -34,7 +34,7 @@ sys.path.insert(0, {repo!r})
 start = time.perf_counter()
 """
 CHILD_REPORT = CHILD_PRELUDE + """
-from cyclone_kit.cli import main
+from cyclone_kit.cli.app import main
 code = main(["report", {study!r}, "-o", {out!r}])
 assert code == 0, code
 """

@@ -48,7 +48,7 @@ PLAIN = REPO / "bench" / "plain_ddp.py"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from cyclone_kit.malloc import GLIBC_TUNABLES  # noqa: E402  (the repo is put on the path just above)
+from cyclone_kit.core.malloc import GLIBC_TUNABLES  # noqa: E402  (the repo is put on the path just above)
 
 
 def quick() -> bool:

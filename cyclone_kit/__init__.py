@@ -17,7 +17,7 @@ pandas or matplotlib.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from cyclone_kit.core.version import __version__
 
 #: The names ``cyclone_kit`` re-exports from :mod:`cyclone_kit.api` on first use.
 API_NAMES = ("init", "load_checkpoint", "log_step", "stop_requested", "save_checkpoint", "finish", "Context",

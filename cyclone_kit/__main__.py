@@ -2,6 +2,6 @@
 
 import sys
 
-from cyclone_kit.cli import main
+from cyclone_kit.cli.app import main
 
 sys.exit(main())

@@ -23,7 +23,7 @@ signal, requeue, max_requeues, poll_s) and ``train.log_every``; defaults otherwi
 Rules: :func:`init` first and once, :func:`finish` last; every rank calls every function the
 same number of times (:func:`stop_requested`, :func:`save_checkpoint` and
 :func:`load_checkpoint` are collectives). A call out of order raises :class:`ApiUsageError`,
-a one-line :class:`~cyclone_kit.errors.CycloneError` naming the fix; left uncaught it prints
+a one-line :class:`~cyclone_kit.core.errors.CycloneError` naming the fix; left uncaught it prints
 that one line and exits with code 2 (no traceback). Any other uncaught exception after
 :func:`init` still writes the run's ``failed`` end record and this rank's error record.
 """
@@ -41,7 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from cyclone_kit.errors import CycloneError, ValidationError
+from cyclone_kit.core.errors import CycloneError, ValidationError
 
 __all__ = ["ApiUsageError", "Context", "finish", "init", "load_checkpoint", "log_step", "save_checkpoint",
            "stop_requested"]
@@ -167,7 +167,7 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **i
         raise ApiUsageError(f"ck.init(log_every={log_every!r}) must be a positive int", hint="e.g. log_every=10")
     t_start = time.perf_counter()
     environ = os.environ
-    from cyclone_kit.config import CheckpointConfig
+    from cyclone_kit.spec.job import CheckpointConfig
 
     given = run_dir if run_dir is not None else environ.get("CYCLONE_RUN_DIR") or None
     folder = Path(given).absolute() if given else None
@@ -355,9 +355,10 @@ def _env_log_every(environ: Mapping[str, str]) -> int | None:
 
 def _spec_settings(run_dir: Path) -> tuple[Any, int | None]:
     """(``[checkpoint]`` as a CheckpointConfig, ``train.log_every`` or None) from ``run_dir/spec.json``."""
-    from cyclone_kit.config import CheckpointConfig, spec_from_dict
+    from cyclone_kit.rundir.layout import RunDir
+    from cyclone_kit.spec.job import CheckpointConfig, spec_from_dict
 
-    path = run_dir / "spec.json"
+    path = RunDir(run_dir).spec
     if not path.is_file():
         return CheckpointConfig(), None
     try:
@@ -380,7 +381,7 @@ def _new_run_dir(session: Any) -> Path:
     """``./runs/<script>-<stamp>``, created by rank 0 and shared with the others."""
     path: list[Any] = [None]
     if session.env.is_main:
-        from cyclone_kit.rundir import create_run_dir
+        from cyclone_kit.rundir.layout import create_run_dir
 
         path[0] = str(create_run_dir(Path("runs").absolute(), _script_name(), {}))
     if session.distributed:
@@ -441,7 +442,7 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType
         out.write(f"error: {rank}{exc}\n")
         out.flush()
         sys.stdout.flush()
-        if "cyclone_kit.launch" in sys.modules:  # the launch shim called us: it records the end and exits
+        if "cyclone_kit.runtime.launch" in sys.modules:  # the launch shim called us: it records the end and exits
             return
         os._exit(exc.exit_code)  # no teardown that could wait on a peer
     (_previous_hook or sys.__excepthook__)(kind, exc, tb)

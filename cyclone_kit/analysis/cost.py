@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 
 import pandas as pd
 
-from cyclone_kit.errors import CycloneError
+from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.slurm.accounting import (
     JobUsage,
     accounting_disabled,
@@ -167,7 +167,7 @@ def query_sacct(job_ids: Sequence[object], *, timeout: float = 10) -> tuple[dict
         (allocations by job id, a note): the note says why nothing came back ("" on success),
         e.g. "Slurm accounting storage is disabled".
     """
-    from cyclone_kit.proc import run_command
+    from cyclone_kit.core.proc import run_command
     from cyclone_kit.slurm.argv import check_job_id
 
     ids = []

@@ -1,7 +1,7 @@
 """Find ``metrics.jsonl`` files and read them into pandas tables.
 
 The training runtime writes one JSON object a line (``kind`` + ``schema``: 1): ``start``,
-``step``, ``epoch`` and ``end`` records, as :mod:`cyclone_kit.contract` defines them (file
+``step``, ``epoch`` and ``end`` records, as :mod:`cyclone_kit.rundir.contract` defines them (file
 names, field names and schema version come from there). A requeued run appends another ``start ... end``
 segment to the same file. This module turns those files into:
 
@@ -37,11 +37,11 @@ from typing import Any
 
 import pandas as pd
 
-from cyclone_kit import contract
-from cyclone_kit.errors import ValidationError
-from cyclone_kit.rundir import SWEEP_FILE, RunDir
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.rundir import contract
+from cyclone_kit.rundir.layout import SWEEP_FILE, RunDir
 
-#: The contract's names (:mod:`cyclone_kit.contract`), under the names this module always used.
+#: The contract's names (:mod:`cyclone_kit.rundir.contract`), under the names this module always used.
 METRICS_FILENAME = contract.METRICS_FILE
 SWEEP_FILENAME = SWEEP_FILE
 SCHEMA_VERSION = contract.SCHEMA

@@ -1,6 +1,6 @@
 """Find study directories for the notebook: the newest ``make demo`` study, or a path given by the user.
 
-Study directories are ``RUNS_DIR/<name>-<YYYYmmdd-HHMMSS>[-k]/`` (see :mod:`cyclone_kit.rundir`).
+Study directories are ``RUNS_DIR/<name>-<YYYYmmdd-HHMMSS>[-k]/`` (see :mod:`cyclone_kit.rundir.layout`).
 A notebook's kernel usually runs in ``analysis/``, while users write paths relative to the
 repository (``runs/demo-strong-...``): relative paths are tried from the current directory and
 then from every parent up to the repository root.
@@ -12,7 +12,9 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.rundir.contract import METRICS_FILE
+from cyclone_kit.rundir.layout import SWEEP_FILE
 
 #: The study name ``make demo`` uses (jobs/demo_strong.toml).
 DEMO_STUDY = "demo-strong"
@@ -37,7 +39,7 @@ def _candidates(runs_dir: Path, name: str) -> list[Path]:
     for path in runs_dir.iterdir():
         if not path.is_dir() or not path.name.startswith(f"{name}-") or not _STAMP.search(path.name):
             continue
-        if (path / "sweep.json").is_file() and next(path.rglob("metrics.jsonl"), None) is not None:
+        if (path / SWEEP_FILE).is_file() and next(path.rglob(METRICS_FILE), None) is not None:
             out.append(path)
     return out
 

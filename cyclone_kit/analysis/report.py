@@ -50,7 +50,7 @@ from cyclone_kit.analysis.scaling import (
     scaling_table,
     step_timing,
 )
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 
 #: Baseline table columns.
 BASELINE_COLUMNS = (

@@ -1,6 +1,6 @@
 """Synthetic ``metrics.jsonl`` runs and studies, for tests, benchmarks and demos.
 
-Every record is built by :mod:`cyclone_kit.contract`, the metrics contract (schema 1) that the
+Every record is built by :mod:`cyclone_kit.rundir.contract`, the metrics contract (schema 1) that the
 training runtime writes through too, so synthetic studies cannot drift from real ones.
 :func:`run_records` is pure; :func:`write_run` and :func:`write_study` write files.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cyclone_kit import contract
-from cyclone_kit.rundir import RunDir, StudyDir
+from cyclone_kit.rundir import contract
+from cyclone_kit.rundir.layout import RunDir, StudyDir
 
 _TIME = "2026-01-01T00:00:00Z"
 

@@ -1,6 +1,6 @@
 """The Backend protocol: what every backend (slurm, submitit, local) implements, as a type.
 
-A backend takes a prepared run directory (:class:`cyclone_kit.rundir.RunDir`: ``spec.json``
+A backend takes a prepared run directory (:class:`cyclone_kit.rundir.layout.RunDir`: ``spec.json``
 and ``job.sbatch`` written) and runs it somewhere. Callers that come back later (``status``,
 ``cancel``, ``logs``) rebuild the :class:`JobHandle` from what the run directory recorded
 (:func:`handle_of`) and dispatch on the backend named there, never on a hard-coded name.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from cyclone_kit.rundir import RunDir
+from cyclone_kit.rundir.layout import RunDir
 
 if TYPE_CHECKING:
     from cyclone_kit.slurm.parse import JobInfo

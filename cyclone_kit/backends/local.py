@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from cyclone_kit import failures
 from cyclone_kit.backends.base import JobHandle
 from cyclone_kit.backends.base import log_files as run_log_files
-from cyclone_kit.errors import RankFailure, ValidationError
-from cyclone_kit.failures import read_error_record, signal_name
-from cyclone_kit.malloc import malloc_environment
-from cyclone_kit.rundir import FAILURE_FILE, LAUNCH_FILE, RunDir
+from cyclone_kit.core.errors import RankFailure, ValidationError
+from cyclone_kit.core.malloc import malloc_environment
+from cyclone_kit.rundir import failures
+from cyclone_kit.rundir.entry import rank_argv, trainer_words
+from cyclone_kit.rundir.failures import read_error_record, signal_name
+from cyclone_kit.rundir.layout import FAILURE_FILE, LAUNCH_FILE, RunDir
 
 if TYPE_CHECKING:
     from cyclone_kit.slurm.parse import JobInfo
@@ -275,7 +276,7 @@ def tail_lines(path: Path, n: int = STDERR_TAIL_LINES, max_bytes: int = 64_000) 
 
 
 def failure_record(result: LaunchResult) -> dict[str, Any]:
-    """The ``failure.json`` document for a failed or interrupted launch (schema: :mod:`cyclone_kit.failures`)."""
+    """The ``failure.json`` document for a failed or interrupted launch (schema: :mod:`cyclone_kit.rundir.failures`)."""
     first = result.first_failure
     ranks = [
         {"rank": e.rank, "host": e.host, "pid": e.pid, "exit_code": e.returncode, "signal": signal_name(e.returncode),
@@ -365,7 +366,7 @@ def launch(
     envs = rank_environments(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads,
                              run_dir=run_dir, job_name=job_name, base=os.environ if environ is None else environ)
     envs = [{**env, **(extra_env or {})} for env in envs]
-    argv = list(command) if command else [sys.executable, "-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)]
+    argv = list(command) if command else [sys.executable, *trainer_words(run_dir)]
 
     procs: list[subprocess.Popen[bytes]] = []
     files: list[IO[bytes]] = []
@@ -621,10 +622,8 @@ class LocalBackend:
         nproc, nodes = job.world_size, job.nodes
         threads = threads_per_rank(nproc, available_cores())
         rd.set_threads(threads)
-        from cyclone_kit.launch import rank_command  # a user's script runs through the launch shim
-
         result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=rank_command(job.spec, rd.path))
+                        grace_s=self.grace_s, command=rank_argv(job.spec, rd.path))
         rd.write_submission(result.job_id, self.name)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")
@@ -659,7 +658,7 @@ def run_dir_status(job_id: str, run_dir: Path | None) -> JobInfo:
 
     rd = RunDir(run_dir) if run_dir is not None else None
     end = rd.end_status() if rd is not None else None
-    cause = rd.root_cause() if rd is not None else None
+    cause = failures.root_cause(rd.path) if rd is not None else None
     state = {"completed": JobState.COMPLETED, "preempted": JobState.PREEMPTED, "cancelled": JobState.CANCELLED,
              "failed": JobState.FAILED}.get(
         end or "", JobState.FAILED if cause else JobState.UNKNOWN)
@@ -676,9 +675,9 @@ def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None)
     Raises:
         ValidationError: ``nproc`` does not split evenly over ``nodes``.
     """
-    from cyclone_kit.config import ClusterProfile, Partition
-    from cyclone_kit.validate import ResolvedJob
-    from cyclone_kit.walltime import parse_time
+    from cyclone_kit.slurm.walltime import parse_time
+    from cyclone_kit.spec.profile import ClusterProfile, Partition
+    from cyclone_kit.spec.validate import ResolvedJob
 
     if nproc < 1 or nodes < 1 or nproc % nodes:
         rank_environments(nproc, nodes, job_id="0", master_port=0, threads=1, run_dir=".")  # raises the error

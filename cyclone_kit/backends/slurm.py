@@ -1,8 +1,8 @@
 """The Slurm backend: sbatch / squeue / sacct / scontrol / scancel on the machine it runs on.
 
-Commands are built by :mod:`cyclone_kit.slurm.argv`, run by :func:`cyclone_kit.proc.run_command`
+Commands are built by :mod:`cyclone_kit.slurm.argv`, run by :func:`cyclone_kit.core.proc.run_command`
 and read by :mod:`cyclone_kit.slurm.parse`; this module only decides which to run and turns
-failures into :class:`~cyclone_kit.errors.SlurmError` with a HINT.
+failures into :class:`~cyclone_kit.core.errors.SlurmError` with a HINT.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cyclone_kit.backends.base import JobHandle, log_files
-from cyclone_kit.errors import SlurmError, ValidationError
-from cyclone_kit.proc import CompletedCommand, run_command
-from cyclone_kit.rundir import RunDir
+from cyclone_kit.core.errors import SlurmError, ValidationError
+from cyclone_kit.core.proc import CompletedCommand, run_command
+from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.slurm import argv as slurm_argv
 from cyclone_kit.slurm.parse import (
     JobInfo,

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from cyclone_kit.backends.base import JobHandle, log_files
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.errors import RankFailure, SlurmError, ValidationError
-from cyclone_kit.malloc import GLIBC_TUNABLES
-from cyclone_kit.rundir import RunDir
+from cyclone_kit.core.errors import RankFailure, SlurmError, ValidationError
+from cyclone_kit.core.malloc import GLIBC_TUNABLES
+from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.slurm import argv as slurm_argv
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from cyclone_kit.errors import CycloneError
+from cyclone_kit.core.errors import CycloneError
 
 
 def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> int:
@@ -36,11 +36,11 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         CycloneError: invalid spec, environment or data (one line with a HINT).
         Exception: any training failure. In both cases the rank's error record is written first.
     """
-    from cyclone_kit.config import load_spec
-    from cyclone_kit.failures import rank_guess
-    from cyclone_kit.rundir import RunDir
+    from cyclone_kit.rundir.failures import rank_guess
+    from cyclone_kit.rundir.layout import RunDir
     from cyclone_kit.runtime.env import detect
     from cyclone_kit.runtime.signals import StopFlag
+    from cyclone_kit.spec.job import load_spec
 
     environ = os.environ
     run_dir = Path(run_dir)
@@ -52,14 +52,14 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         env = detect(environ)
         rank, host = env.rank, env.host or host
         from cyclone_kit.runtime.dist import teardown
-        from cyclone_kit.runtime.train import train
+        from cyclone_kit.runtime.engine import run as train
 
         train(spec, run_dir, env, environ, stop_flag)
         teardown()
         return 0
     except BaseException as exc:
         try:
-            from cyclone_kit.failures import write_error_record
+            from cyclone_kit.rundir.failures import write_error_record
 
             write_error_record(run_dir, rank, host, exc, traceback.format_exc())
         except OSError as write_error:
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if watchdog.wanted(os.environ):  # under Slurm: a parent records how this rank died (see watchdog)
         rest = list(sys.argv[1:] if argv is None else argv)
         return watchdog.supervise([sys.executable, "-m", "cyclone_kit.runtime", *rest], args.run_dir)
-    from cyclone_kit.failures import rank_guess
+    from cyclone_kit.rundir.failures import rank_guess
 
     try:
         return run_training(args.run_dir, args.spec)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from cyclone_kit.fileio import FILE_MODE
+from cyclone_kit.rundir.fileio import FILE_MODE
 
 FORMAT = 1
 #: The key under which a checkpoint written through the public API (``ck.save_checkpoint``) holds the script's dict.
@@ -64,7 +64,7 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
     final = checkpoint_path(folder, step)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
     try:
-        os.fchmod(fd, FILE_MODE)  # group-readable like every run-directory file (cyclone_kit.fileio)
+        os.fchmod(fd, FILE_MODE)  # group-readable like every run-directory file (cyclone_kit.rundir.fileio)
         with os.fdopen(fd, "wb") as f:
             torch.save({"format": FORMAT, **state}, f)
             f.flush()

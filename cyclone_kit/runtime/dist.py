@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import DistEnv
 
 #: Set to 1 to let a job whose CUDA_VISIBLE_DEVICES names GPUs train on the CPU (fake GPUs in tests).

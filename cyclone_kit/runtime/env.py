@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cyclone_kit.errors import ValidationError
-from cyclone_kit.ports import PORT_BASE, job_port
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.core.ports import PORT_BASE, job_port
 from cyclone_kit.slurm.hostlist import expand, expand_tasks_per_node
 
 #: Launcher names :func:`detect` reports.
@@ -132,7 +132,7 @@ def check_consistent(env: DistEnv) -> None:
 
 
 def default_port(job_id: str | None, step_id: str | None = None) -> int:
-    """The rendezvous port of a job step when MASTER_PORT is not set: :func:`cyclone_kit.ports.job_port`."""
+    """The rendezvous port of a job step when MASTER_PORT is not set: :func:`cyclone_kit.core.ports.job_port`."""
     return job_port(job_id, step_id)
 
 

@@ -49,7 +49,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import DistEnv
 
 #: How to get Horovod, for the error when it is not importable.
@@ -240,4 +240,6 @@ def horovodrun_command(run_dir: str, np: int, hosts: Sequence[str] = ("localhost
     cmd = ["horovodrun", "--gloo", "-np", str(np), "-H", ",".join(f"{h}:{per}" for h in hosts)]
     if interface:
         cmd += ["--network-interfaces", interface]
-    return [*cmd, python, "-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)]
+    from cyclone_kit.rundir.entry import trainer_words
+
+    return [*cmd, python, *trainer_words(run_dir)]

@@ -1,10 +1,10 @@
-"""The runtime's writer of the metrics contract (:mod:`cyclone_kit.contract`, schema 1).
+"""The runtime's writer of the metrics contract (:mod:`cyclone_kit.rundir.contract`, schema 1).
 
 The records, their fields, the file names and the schema version are defined in
-:mod:`cyclone_kit.contract` (re-exported here for the engines: ``mx.step_record`` ...);
+:mod:`cyclone_kit.rundir.contract` (re-exported here for the engines: ``mx.step_record`` ...);
 :class:`MetricsWriter` is the only code that appends to ``metrics.jsonl``, one line a record,
 flushed per line (a crash loses at most the line being written). Error records belong to
-:mod:`cyclone_kit.failures` (``write_error_record`` is re-exported here).
+:mod:`cyclone_kit.rundir.failures` (``write_error_record`` is re-exported here).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, TextIO
 
-from cyclone_kit.contract import (
+from cyclone_kit.rundir.contract import (
     METRICS_FILE,
     SCHEMA,
     STATUSES,
@@ -27,9 +27,9 @@ from cyclone_kit.contract import (
     step_record,
     utc_now,
 )
-from cyclone_kit.failures import write_error_record
-from cyclone_kit.fileio import write_atomic
-from cyclone_kit.rundir import RunDir
+from cyclone_kit.rundir.failures import write_error_record
+from cyclone_kit.rundir.fileio import write_atomic
+from cyclone_kit.rundir.layout import RunDir
 
 __all__ = [
     "METRICS_FILE", "SCHEMA", "STATUSES", "MetricsWriter", "end_record", "epoch_record", "git_commit", "record",

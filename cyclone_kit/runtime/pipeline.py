@@ -35,16 +35,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from cyclone_kit.config import JobSpec
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.data import auto_workers, build_data
 from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import TinyCNN, build_model
+from cyclone_kit.runtime.plan import begin_segment, lr_factor, make_plan, resolve_precision, seed_everything
 from cyclone_kit.runtime.session import Session, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
+from cyclone_kit.spec.job import JobSpec
 
 
 # --------------------------------------------------------------------------- the split
@@ -361,8 +362,6 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     Raises:
         ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
     """
-    from cyclone_kit.runtime.train import begin_segment, lr_factor, make_plan, resolve_precision, seed_everything
-
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     tc, cc = spec.train, spec.checkpoint

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cyclone_kit.config import CheckpointConfig
-from cyclone_kit.errors import CommandError, ValidationError
+from cyclone_kit.core.errors import CommandError, ValidationError
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
+from cyclone_kit.spec.job import CheckpointConfig
 
 
 @dataclass
@@ -79,8 +79,8 @@ class Session:
 
     @property
     def checkpoint_dir(self) -> Path:
-        """``RUN_DIR/checkpoints`` (the layout is :class:`cyclone_kit.rundir.RunDir`'s)."""
-        from cyclone_kit.rundir import RunDir
+        """``RUN_DIR/checkpoints`` (the layout is :class:`cyclone_kit.rundir.layout.RunDir`'s)."""
+        from cyclone_kit.rundir.layout import RunDir
 
         return RunDir(self.run_dir).checkpoints
 
@@ -193,7 +193,7 @@ class Session:
     def stop_status(self) -> str:
         """The end status of a segment that stopped on a signal: ``cancelled`` when the user asked
         for the cancel (recorded in the run directory), else ``preempted``."""
-        from cyclone_kit.rundir import RunDir
+        from cyclone_kit.rundir.layout import RunDir
 
         return RunDir(self.run_dir).stop_status()
 
@@ -340,7 +340,7 @@ def versions() -> dict[str, str | None]:
 
     import torch
 
-    from cyclone_kit import __version__
+    from cyclone_kit.core.version import __version__
 
     tv_module = sys.modules.get("torchvision")
     try:

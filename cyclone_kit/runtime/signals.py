@@ -31,7 +31,7 @@ NONE, STOP, REQUEUE = 0, 1, 2
 
 
 def signal_number(name: str) -> int:
-    """``"USR2"`` -> ``signal.SIGUSR2`` (names as in :data:`cyclone_kit.config.SIGNALS`)."""
+    """``"USR2"`` -> ``signal.SIGUSR2`` (names as in :data:`cyclone_kit.spec.job.SIGNALS`)."""
     return int(getattr(signal, f"SIG{name}"))
 
 
@@ -170,7 +170,7 @@ def requeue(environ: Mapping[str, str]) -> str:
     Raises:
         CommandError: scontrol failed or timed out.
     """
-    from cyclone_kit.proc import run_command
+    from cyclone_kit.core.proc import run_command
     from cyclone_kit.slurm.argv import scontrol_requeue
     from cyclone_kit.slurm.env import requeue_target
 

@@ -1,7 +1,7 @@
 """The training engine: data-parallel training of a torchvision model, with metrics and checkpoints.
 
-The schedule maths (:func:`scaled_lr`, :func:`lr_factor`, :func:`make_plan`,
-:func:`resolve_precision`) is pure; :func:`train` is the loop. Properties it keeps:
+The schedule maths is in :mod:`cyclone_kit.runtime.plan` (shared with the pipeline); :func:`train`
+is the loop; :mod:`cyclone_kit.runtime.engine` picks this loop or the pipeline's. Properties it keeps:
 
 * **Correct DDP**: N ranks with batch B follow the same trajectory as 1 rank with batch N*B
   (gradients averaged; the learning rate scaled by the global batch, Goyal et al. 2017).
@@ -21,9 +21,7 @@ The schedule maths (:func:`scaled_lr`, :func:`lr_factor`, :func:`make_plan`,
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import random
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -34,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cyclone_kit.config import JobSpec, TrainConfig
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime import power
@@ -43,87 +41,24 @@ from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
+from cyclone_kit.runtime.plan import Plan, begin_segment, lr_factor, make_plan, resolve_precision, seed_everything
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
+from cyclone_kit.spec.job import JobSpec, TrainConfig
 
-__all__ = ["ENGINES", "STRATEGIES", "Plan", "Strategy", "begin_segment", "engine_start_fields", "gather_hosts",
-           "gather_to_main", "lr_factor", "make_plan", "optimizer_step", "place_model", "resolve_precision",
-           "scaled_lr", "seed_everything", "strategy_for", "train", "unwrap", "use_static_graph", "wrap_model"]
+__all__ = ["STRATEGIES", "Strategy", "gather_hosts", "gather_to_main", "optimizer_step", "place_model", "strategy_for",
+           "train", "unwrap", "use_static_graph", "wrap_model"]
 
 
 # --------------------------------------------------------------------------- pure schedule maths
-@dataclass(frozen=True)
-class Plan:
-    """The derived schedule of a run (pure function of the spec, world size and data size)."""
-
-    per_device_batch: int
-    grad_accum: int
-    global_batch: int
-    lr: float
-    warmup_steps: int
-    steps_per_epoch: int
-    total_steps: int
 
 
-def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str) -> float:
-    """The learning rate for ``global_batch``: linear (Goyal et al.), square-root, or unscaled."""
-    ratio = global_batch / base_batch
-    if rule == "linear":
-        return base_lr * ratio
-    if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    return base_lr
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """LR multiplier of 0-based optimizer step ``step``: linear warm-up, then cosine decay to 0."""
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_plan(train: TrainConfig, world_size: int, samples_per_rank: int) -> Plan:
-    """Batch sizes, scaled LR and step counts; ``train.epochs`` (when > 0) overrides ``train.steps``.
-
-    Raises:
-        ValidationError: an epoch would hold no optimizer step (data set too small).
-    """
-    global_batch = train.batch_size * world_size * train.grad_accum
-    steps_per_epoch = samples_per_rank // train.batch_size // train.grad_accum
-    if steps_per_epoch < 1:
-        raise ValidationError(
-            f"the data set gives each of the {world_size} rank(s) {samples_per_rank} samples, fewer than one "
-            f"optimizer step of batch_size {train.batch_size} x grad_accum {train.grad_accum}",
-            hint="lower train.batch_size or train.grad_accum, or use more data",
-        )
-    total = train.epochs * steps_per_epoch if train.epochs > 0 else train.steps
-    return Plan(
-        per_device_batch=train.batch_size,
-        grad_accum=train.grad_accum,
-        global_batch=global_batch,
-        lr=scaled_lr(train.lr, global_batch, train.base_batch_size, train.lr_scaling),
-        warmup_steps=min(train.warmup_steps, total),
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total,
-    )
 
 
-def resolve_precision(requested: str, device_kind: str, bf16_supported: bool) -> str:
-    """``auto`` -> bf16 (or fp16) on CUDA, fp32 on CPU; fp16 on CPU falls back to fp32 (pure).
-
-    ``bf16_supported`` must mean *native* bf16 (:attr:`DeviceChoice.native_bf16`, compute
-    capability 8.0+): torch's ``is_bf16_supported()`` also says True for emulated bf16 on a V100,
-    which is slow there; fp16 with a GradScaler is the V100's mixed precision.
-    """
-    if device_kind != "cuda":
-        return "bf16" if requested == "bf16" else "fp32"
-    if requested == "auto":
-        return "bf16" if bf16_supported else "fp16"
-    if requested == "bf16" and not bf16_supported:
-        return "fp16"
-    return requested
 
 
 # --------------------------------------------------------------------------- strategies
@@ -248,7 +183,7 @@ class Strategy:
         return self.wrap(model, device, train, distributed)
 
 
-#: strategy name -> its plug-in of the one loop (the pipeline has a loop of its own: :data:`ENGINES`).
+#: strategy name -> its plug-in of the one loop (the pipeline has a loop of its own: runtime/engine.py).
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy(_wrap_ddp),
     "fsdp": Strategy(_wrap_fsdp, no_sync=lambda wrapped: _fsdp_no_sync(wrapped), sharded=True),
@@ -263,16 +198,6 @@ def _hvd() -> Any:
     from cyclone_kit.runtime import hvd
 
     return hvd
-
-
-def _pipeline_engine() -> Callable[..., str]:
-    from cyclone_kit.runtime.pipeline import train_pipeline
-
-    return train_pipeline
-
-
-#: strategy name -> () -> a train() of its own (same signature and metrics contract); imported lazily.
-ENGINES: dict[str, Callable[[], Callable[..., str]]] = {"pipeline": _pipeline_engine}
 
 
 def strategy_for(name: str) -> Strategy:
@@ -314,28 +239,8 @@ class _Window:
     data_s: float = 0.0
 
 
-def engine_start_fields(plan: Any, tc: Any, *, precision: str, strategy: str, step: int,
-                        **extra: Any) -> dict[str, Any]:
-    """The ``start`` record's fields an engine adds to the session's (batch sizes, model, schedule)."""
-    return dict(per_device_batch_size=plan.per_device_batch, global_batch_size=plan.global_batch, model=tc.model,
-                dataset=tc.dataset, precision=precision, strategy=strategy, grad_accum=plan.grad_accum, lr=plan.lr,
-                total_steps=plan.total_steps, start_step=step, **extra)
 
 
-def begin_segment(session: Session, plan: Any, tc: Any, *, step: int, **start: Any) -> bool:
-    """Open a run segment: the ``start`` record written (rank 0) through the session.
-
-    Returns False, after releasing the stop signal, when the newest checkpoint is already at the
-    last step (a requeued or resumed run that has nothing left to do).
-    """
-    if step >= plan.total_steps:
-        if session.env.is_main:
-            print(f"cyclone_kit: the newest checkpoint is at step {step} of {plan.total_steps}: nothing to do",
-                  flush=True)
-        session.stop_flag.uninstall()
-        return False
-    session.begin(**engine_start_fields(plan, tc, step=step, **start))
-    return True
 
 
 def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
@@ -351,8 +256,6 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         ValidationError: bad data, model or strategy; anything else is a real failure (the
             caller writes the error record). A ``failed`` end record is written before raising.
     """
-    if spec.train.strategy in ENGINES:  # strategies with their own loop (runtime/pipeline.py, runtime/hvd.py)
-        return ENGINES[spec.train.strategy]()(spec, run_dir, env, environ, stop_flag)
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     tc, cc = spec.train, spec.checkpoint
@@ -586,7 +489,7 @@ class _Loop:
         if self.sharded and self.cc.sharded:  # every rank writes its own shards (runtime/fsdp_ckpt.py)
             from cyclone_kit.runtime import fsdp_ckpt
 
-            entries = fsdp_ckpt.save_sharded(self.run_dir / "checkpoints", step, self.model, self.optimizer)
+            entries = fsdp_ckpt.save_sharded(RunDir(self.run_dir).checkpoints, step, self.model, self.optimizer)
             model_state, optim_state, optim_format = entries["model"], None, fsdp_ckpt.FORMAT
         elif self.sharded:  # a collective: every rank takes part, rank 0 keeps the full tensors
             from torch.distributed.checkpoint.state_dict import (
@@ -686,16 +589,6 @@ def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextMa
     return no_sync
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's, torch's and numpy's generators (the same start on every engine)."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
 
 
 def _progress(env: DistEnv, total: int, initial: int) -> Any:

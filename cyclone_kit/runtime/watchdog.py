@@ -16,7 +16,7 @@ time, and it:
   second copy of a signal is harmless: the rank's handler only records it);
 * when the child dies by a signal the watchdog did not pass on, writes the rank's error record
   (rank, host, pid, signal, exit code, time of death) and ``failure.json`` (first writer wins),
-  both through :mod:`cyclone_kit.failures`, whose root cause ``status`` and ``logs`` print;
+  both through :mod:`cyclone_kit.rundir.failures`, whose root cause ``status`` and ``logs`` print;
 * ends the same way as its child (re-raising the child's signal, or its exit code), so srun
   sees the failure and stops the other tasks.
 
@@ -35,7 +35,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cyclone_kit.failures import death_line, death_record, host_guess, rank_guess, record_death, utc_now
+from cyclone_kit.rundir.failures import death_line, death_record, host_guess, rank_guess, record_death, utc_now
 
 #: Set in the child's environment so that it does not start a watchdog of its own.
 CHILD_VAR = "CYCLONE_WATCHDOG_CHILD"

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cyclone_kit.errors import ParseError
+from cyclone_kit.core.errors import ParseError
 from cyclone_kit.slurm.argv import check_job_id
 from cyclone_kit.slurm.parse import parse_duration
 

@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Sequence
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 
 #: squeue --Format fields, in the order parse_squeue reads them. ``exit_code`` is a raw wait
 #: status; the name comes last so that a "|" inside it cannot shift the other fields.

@@ -2,7 +2,7 @@
 
 argv builders and parsers for ``scontrol -o show partition``, ``scontrol -o show node``,
 ``scontrol show config`` and ``sacctmgr show assoc``; :mod:`cyclone_kit.slurm.query` runs them.
-Every parser takes the raw text and raises :class:`~cyclone_kit.errors.ParseError` quoting it
+Every parser takes the raw text and raises :class:`~cyclone_kit.core.errors.ParseError` quoting it
 when it cannot be read. The tests hold real output of Slurm 22.05 (tests/unit/slurm_output/).
 """
 
@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cyclone_kit.errors import ParseError, ValidationError
+from cyclone_kit.core.errors import ParseError, ValidationError
 from cyclone_kit.slurm import hostlist
 from cyclone_kit.slurm.parse import parse_duration, parse_scontrol_fields
 

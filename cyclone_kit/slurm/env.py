@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 
 
 def requeue_target(environ: Mapping[str, str]) -> str:

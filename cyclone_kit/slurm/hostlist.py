@@ -2,7 +2,7 @@
 
 A thin wrapper over python-hostlist, which gets the hard cases right (several brackets in one
 name, a dash before the bracket, zero padding that follows the low bound), turning its errors
-into :class:`~cyclone_kit.errors.ValidationError` with a HINT.
+into :class:`~cyclone_kit.core.errors.ValidationError` with a HINT.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import hostlist as _hostlist
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 
 _HOSTLIST_HINT = (
     "a Slurm hostlist is names or prefix[ranges] separated by commas, e.g. gpu[01-04,07],cn001 "

@@ -1,7 +1,7 @@
 """Pure parsers for Slurm's output: sbatch --parsable, squeue -O, sacct --parsable2, scontrol show job.
 
 Each parser takes the raw text a command printed and returns :class:`JobInfo` records; text it
-cannot read raises :class:`~cyclone_kit.errors.ParseError` quoting that text. The formats the
+cannot read raises :class:`~cyclone_kit.core.errors.ParseError` quoting that text. The formats the
 parsers expect are the ones :mod:`cyclone_kit.slurm.argv` asks for; the tests hold real output
 captured from Slurm 22.05.
 """
@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cyclone_kit.errors import ParseError
+from cyclone_kit.core.errors import ParseError
 from cyclone_kit.slurm import hostlist
 from cyclone_kit.slurm.argv import SACCT_FIELDS, SQUEUE_FIELDS
 from cyclone_kit.slurm.states import JobState, parse_state

@@ -1,7 +1,7 @@
 """Ask the live cluster about its shape (side effects: runs scontrol and sacctmgr).
 
 The argv and the parsers are in :mod:`cyclone_kit.slurm.cluster`; every command goes through
-:func:`cyclone_kit.proc.run_command`. What Slurm says is returned as data, including "the
+:func:`cyclone_kit.core.proc.run_command`. What Slurm says is returned as data, including "the
 partition does not exist" and "accounting is off", so that callers (``cyclone-kit doctor``)
 can turn each fact into a check; only an unreachable Slurm raises.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cyclone_kit.errors import CommandError, ParseError, SlurmError
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.errors import CommandError, ParseError, SlurmError
+from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm import cluster
 
 

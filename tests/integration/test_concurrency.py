@@ -21,11 +21,13 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.config import load_profile, read_toml, spec_from_dict
-from cyclone_kit.rundir import create_run_dir, run_dir_name
+from cyclone_kit.rundir.layout import create_run_dir, run_dir_name
 from cyclone_kit.slurm.states import JobState
-from cyclone_kit.submission import prepare_run_dir
-from cyclone_kit.validate import resolve
+from cyclone_kit.spec.job import spec_from_dict
+from cyclone_kit.spec.profile import load_profile
+from cyclone_kit.spec.toolbox import read_toml
+from cyclone_kit.spec.validate import resolve
+from cyclone_kit.submit.submission import prepare_run_dir
 from tests.conftest import REPO
 from tests.slurm.conftest import slurm_cluster  # noqa: F401  (the fixture, used below)
 from tests.slurm.test_faults import cancel_quietly, job_processes, parse_submit_output, read_records, wait_for

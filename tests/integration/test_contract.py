@@ -1,7 +1,7 @@
 """The metrics contract end to end: what the runtime writes is what the analysis reads, field for field.
 
 A real 2-rank run (local launcher, real gloo process group, tiny CNN) writes ``metrics.jsonl``
-and the per-rank summaries; every record must carry the fields :mod:`cyclone_kit.contract`
+and the per-rank summaries; every record must carry the fields :mod:`cyclone_kit.rundir.contract`
 declares, and :func:`cyclone_kit.analysis.ingest.load_runs` must give back each of those values
 unchanged. The synthetic-study generator is held to the same contract.
 """
@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 
-from cyclone_kit import contract
 from cyclone_kit.analysis.ingest import load_runs
 from cyclone_kit.analysis.synthetic import SyntheticRun, run_records
 from cyclone_kit.backends.local import launch
-from cyclone_kit.config import read_toml, spec_from_dict, spec_to_dict
-from cyclone_kit.rundir import RunDir
+from cyclone_kit.rundir import contract
+from cyclone_kit.rundir.layout import RunDir
+from cyclone_kit.spec.job import spec_from_dict, spec_to_dict
+from cyclone_kit.spec.toolbox import read_toml
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

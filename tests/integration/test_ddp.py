@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from cyclone_kit.config import read_toml, spec_from_dict, spec_to_dict
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.runtime.data import DEBIAN_FASHION_MNIST
+from cyclone_kit.spec.job import spec_from_dict, spec_to_dict
+from cyclone_kit.spec.toolbox import read_toml
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "jobs" / "smoke.toml"

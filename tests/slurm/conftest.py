@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.errors import CycloneError
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.errors import CycloneError
+from cyclone_kit.core.proc import run_command
 
 #: the nodes scripts/local-slurm.sh configures
 NODES = ("c1", "c2", "g1", "g2")

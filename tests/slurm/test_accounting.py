@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm import cluster, hostlist
 from cyclone_kit.slurm.states import JobState
 from tests.conftest import run_cli

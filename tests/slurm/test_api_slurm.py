@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.proc import run_command
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.slurm.states import JobState
 from tests.conftest import REPO, run_cli
@@ -53,7 +53,7 @@ def sbatch_script(run_dir: Path) -> str:
         set -eo pipefail
         export CYCLONE_RUN_DIR={run_dir}
         export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
-        export MASTER_PORT="$({sys.executable} -m cyclone_kit.ports 15000 16000 "$SLURM_JOB_ID")"
+        export MASTER_PORT="$({sys.executable} -m cyclone_kit.core.ports 15000 16000 "$SLURM_JOB_ID")"
         echo "job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}}"
         srun --kill-on-bad-exit=1 {sys.executable} {REPO / "examples" / "ddp_ck.py"} --steps {STEPS} --batch-size 32
     """)

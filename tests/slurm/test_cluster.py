@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.errors import SlurmError, ValidationError
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.errors import SlurmError, ValidationError
+from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm import argv as slurm_argv
 from cyclone_kit.slurm import hostlist
 from cyclone_kit.slurm.parse import JobInfo, parse_sacct, parse_scontrol_job, select_job

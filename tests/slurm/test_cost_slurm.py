@@ -16,7 +16,7 @@ import pytest
 
 from cyclone_kit.analysis.report import write_report
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm.accounting import accounting_disabled, parse_sacct_usage, sacct_usage_argv
 from cyclone_kit.slurm.parse import parse_scontrol_fields
 from cyclone_kit.slurm.states import JobState

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.proc import run_command
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slurm
@@ -24,7 +24,7 @@ LOCAL_PROFILE = (REPO / "cyclone_kit" / "profiles" / "local.toml").read_text()
 
 
 #: the CLI in a fresh interpreter, reporting at exit whether anything imported torch into it
-_NO_TORCH = ("import sys; from cyclone_kit.cli import main; rc = main(sys.argv[1:]); "
+_NO_TORCH = ("import sys; from cyclone_kit.cli.app import main; rc = main(sys.argv[1:]); "
              "sys.stderr.write(f'torch in the CLI process: {\"torch\" in sys.modules}\\n'); sys.exit(rc)")
 
 
@@ -61,7 +61,7 @@ def test_local_profile_passes_with_a_measured_allreduce(slurm_cluster: dict, tmp
     # the job was the profile's own: rendered from the doctor template that extends base.sbatch.j2
     (run_dir,) = tmp_path.glob("ck-doctor-*")
     script = (run_dir / "job.sbatch").read_text()
-    assert "#SBATCH --partition=cpu" in script and "-m cyclone_kit.doctor_probe" in script
+    assert "#SBATCH --partition=cpu" in script and "-m cyclone_kit.doctor.probe" in script
     assert sorted(p.name for p in (run_dir / "doctor").glob("rank-*.json")) == ["rank-0.json", "rank-1.json"]
 
 

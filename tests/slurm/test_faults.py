@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.errors import CycloneError
-from cyclone_kit.failures import root_cause
+from cyclone_kit.core.errors import CycloneError
+from cyclone_kit.rundir.failures import root_cause
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.slurm.states import JobState
 from tests.conftest import REPO, run_cli

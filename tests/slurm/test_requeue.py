@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.proc import run_command
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.slurm.parse import parse_scontrol_job, select_job
 from cyclone_kit.slurm.states import JobState

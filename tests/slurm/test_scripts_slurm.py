@@ -75,7 +75,7 @@ def test_example_trains_with_world_size_4_on_two_nodes(example: str, needs: str 
     assert (start["world_size"], start["num_nodes"], start["hostnames"], start["slurm_job_id"]) == (
         4, 2, ["c1", "c2"], job_id)
     assert (end["status"], end["exit_code"]) == ("completed", 0)
-    assert "cyclone_kit.launch" in (run_dir / "job.sbatch").read_text()
+    assert "cyclone_kit.runtime.launch" in (run_dir / "job.sbatch").read_text()
 
 
 @pytest.mark.timeout(WAIT_S + 180)

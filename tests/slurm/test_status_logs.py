@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm.states import JobState
 from tests.conftest import REPO, run_cli
 from tests.slurm.test_faults import cancel_quietly, steps_logged, submit_smoke, wait_for
@@ -200,7 +200,7 @@ def test_study_directory_and_report_job_id(slurm_cluster: dict[str, str], tmp_pa
 def test_job_slurm_forgot_is_shown_from_its_run_directory(slurm_cluster: dict[str, str], tmp_path: Path, end: str,
                                                           code: int, state: str) -> None:
     """A job id no squeue/sacct/scontrol knows any more: the run directory's end record answers."""
-    from cyclone_kit.rundir import RunDir
+    from cyclone_kit.rundir.layout import RunDir
 
     rd = RunDir.create(tmp_path, "old", '{"name": "old"}\n')
     rd.write_submission("999999", "slurm")

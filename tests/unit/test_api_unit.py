@@ -15,7 +15,7 @@ import pytest
 
 import cyclone_kit as ck
 from cyclone_kit import api
-from cyclone_kit.errors import CycloneError, ValidationError
+from cyclone_kit.core.errors import CycloneError, ValidationError
 
 
 def test_import_cyclone_kit_stays_cheap_and_the_api_loads_on_first_use() -> None:

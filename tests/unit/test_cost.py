@@ -14,7 +14,7 @@ from cyclone_kit.analysis.ingest import load_runs
 from cyclone_kit.analysis.report import write_report
 from cyclone_kit.analysis.scaling import device_hours_per_1m_samples, scaling_table
 from cyclone_kit.analysis.synthetic import SyntheticRun, write_study
-from cyclone_kit.errors import ParseError
+from cyclone_kit.core.errors import ParseError
 from cyclone_kit.slurm.accounting import (
     JobUsage,
     accounting_disabled,

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit import doctor
-from cyclone_kit.doctor import Check, HostVersions, ModuleFacts, SmokeResult
-from cyclone_kit.doctor_job import doctor_request
-from cyclone_kit.errors import ParseError, ValidationError
-from cyclone_kit.render import render_script
+from cyclone_kit.core.errors import ParseError, ValidationError
+from cyclone_kit.doctor import checks as doctor
+from cyclone_kit.doctor.checks import Check, HostVersions, ModuleFacts, SmokeResult
+from cyclone_kit.doctor.job import doctor_request
 from cyclone_kit.slurm import cluster
+from cyclone_kit.submit.render import render_script
 from tests.conftest import REPO
 
 OUTPUT = Path(__file__).parent / "slurm_output"
@@ -403,14 +403,14 @@ def test_doctor_script_extends_the_base_template() -> None:
     assert text == golden.read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --gres=gpu:4", "#SBATCH --account=p163", "#SBATCH --time=00:01:00",
                  "module load CUDA/12.1.1", "source $HOME/venvs/torch/bin/activate", "--cpu-bind=cores",
-                 "-m cyclone_kit.doctor_probe --out"):
+                 "-m cyclone_kit.doctor.probe --out"):
         assert line in text
     assert "--requeue" not in text and "--signal" not in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
 def test_the_cli_never_imports_torch() -> None:
-    code = ("import sys; from cyclone_kit.cli import main; import cyclone_kit.doctor, cyclone_kit.doctor_job, "
+    code = ("import sys; from cyclone_kit.cli.app import main; import cyclone_kit.doctor.checks, cyclone_kit.doctor.job, "
             "cyclone_kit.slurm.query; rc = main(['doctor', '--help']); "
             "assert 'torch' not in sys.modules, 'torch imported'; print('clean', rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,

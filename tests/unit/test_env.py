@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from cyclone_kit.errors import ValidationError
-from cyclone_kit.render import PORT_BASE, PORT_SPAN
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.dist import choose_device, cpus_per_task, worker_cpus
 from cyclone_kit.runtime.env import DistEnv, default_port, detect
+from cyclone_kit.submit.render import PORT_BASE, PORT_SPAN
 
 # Recorded from a real Slurm 22.05 job (sbatch -N2 --ntasks-per-node=2; srun env) on the local
 # test cluster: task 3 of step 0, and the batch script's own environment.
@@ -266,7 +266,7 @@ def test_device_layouts(count: int, local_world: int, local_rank: int, expected:
 def test_auto_precision_is_fp16_below_sm80_and_bf16_from_it(capability: tuple[int, int], native: bool) -> None:
     """Item 1: torch.cuda.is_bf16_supported() is True on a V100 (emulation); the choice uses native bf16."""
     from cyclone_kit.runtime.dist import DeviceChoice
-    from cyclone_kit.runtime.train import resolve_precision
+    from cyclone_kit.runtime.plan import resolve_precision
 
     d = DeviceChoice("cuda", 0, "gpu", "nccl", capability=capability)
     assert d.native_bf16 is native
@@ -321,7 +321,7 @@ def test_env_command_json_and_no_torch_import() -> None:
     assert (data["rank"], data["world_size"], data["master_addr"], data["hostnames"]) == (3, 4, "c1", ["c1", "c2"])
     assert data["device"] == "cpu" and data["backend"] == "gloo"
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, argparse; from cyclone_kit.commands import env; "
+        [sys.executable, "-c", "import sys, argparse; from cyclone_kit.cli import env; "
          "env.run(argparse.Namespace(json=True)); assert 'torch' not in sys.modules, 'torch imported'"],
         env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}, text=True, capture_output=True,
         timeout=60, check=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import stat
 
-from cyclone_kit.fileio import FILE_MODE, write_atomic, write_new
-from cyclone_kit.rundir import RunDir
+from cyclone_kit.rundir.fileio import FILE_MODE, write_atomic, write_new
+from cyclone_kit.rundir.layout import RunDir
 
 
 def _mode(path) -> int:

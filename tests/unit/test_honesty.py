@@ -141,7 +141,7 @@ def test_rule_helpers_on_their_edges() -> None:
 
 
 def test_the_cli_report_refuses_the_bogus_fit_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from cyclone_kit.cli import main
+    from cyclone_kit.cli.app import main
 
     study = write_study(tmp_path, "bad", "strong", [("n1", Cpu(1, 100.0)), ("n2", Cpu(2, 88.0))])
     assert main(["report", str(study), "-o", str(tmp_path / "out")]) == 0

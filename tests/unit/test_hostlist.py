@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.slurm import hostlist
 
 EXPANSIONS = [

@@ -16,7 +16,7 @@ from cyclone_kit.analysis.ingest import (
     summarize_run,
 )
 from cyclone_kit.analysis.synthetic import SyntheticRun, metrics_text, run_records, write_run, write_study
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 
 
 def lines(*records: dict) -> str:

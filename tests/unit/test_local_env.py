@@ -20,9 +20,9 @@ from cyclone_kit.backends.local import (
     tasks_per_node_string,
     threads_per_rank,
 )
-from cyclone_kit.config import spec_from_dict
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import detect
+from cyclone_kit.spec.job import spec_from_dict
 
 
 @pytest.mark.parametrize(("nodes", "hosts", "nodelist"), [

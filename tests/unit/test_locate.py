@@ -9,7 +9,7 @@ import pytest
 
 from cyclone_kit.analysis.locate import newest_study, resolve_study
 from cyclone_kit.analysis.synthetic import SyntheticRun, write_study
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 
 
 def _demo(runs: Path, stamp: str, with_metrics: bool = True) -> Path:

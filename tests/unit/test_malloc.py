@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from cyclone_kit.backends.local import rank_environments
-from cyclone_kit.malloc import GLIBC_TUNABLES, malloc_environment
+from cyclone_kit.core.malloc import GLIBC_TUNABLES, malloc_environment
 
 
 def test_malloc_environment_respects_a_users_value_and_an_empty_opt_out() -> None:

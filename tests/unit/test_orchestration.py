@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit import contract, failures
 from cyclone_kit.backends import BACKENDS, get_backend
 from cyclone_kit.backends.base import Backend, JobHandle, handle_of
-from cyclone_kit.errors import ValidationError
-from cyclone_kit.ports import PORT_BASE, PORT_SPAN, candidate_ports, job_port
-from cyclone_kit.rundir import RunDir, StudyDir, read_run
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN, candidate_ports, job_port
+from cyclone_kit.rundir import contract, failures
+from cyclone_kit.rundir.layout import RunDir, StudyDir
+from cyclone_kit.rundir.summary import read_run
 from cyclone_kit.runtime.env import default_port
 from cyclone_kit.slurm.states import JobState
 

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from cyclone_kit.ports import candidate_ports, main, pick_port
+from cyclone_kit.core.ports import candidate_ports, main, pick_port
 
 
 def test_candidates_start_at_the_jobs_port_and_wrap_around_the_range() -> None:
@@ -25,7 +25,7 @@ def test_two_jobs_16000_apart_on_one_node_get_different_ports() -> None:
         first = pick_port(15000, 16000, 123)
         held.bind(("", first))
         held.listen()
-        second = int(subprocess.run([sys.executable, "-m", "cyclone_kit.ports", "15000", "16000", str(123 + 16000)],
+        second = int(subprocess.run([sys.executable, "-m", "cyclone_kit.core.ports", "15000", "16000", str(123 + 16000)],
                                     capture_output=True, text=True, check=True, timeout=30).stdout)
     assert first == 15123 or first > 15123  # 15123 unless something on this host holds it
     assert second != first and 15000 <= second < 31000

@@ -1,4 +1,4 @@
-"""cyclone_kit.proc.run_command against real processes (no mocks: sh, true, false, sleep)."""
+"""cyclone_kit.core.proc.run_command against real processes (no mocks: sh, true, false, sleep)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit.errors import CommandError, CommandNotFound, CycloneError
-from cyclone_kit.proc import run_command
+from cyclone_kit.core.errors import CommandError, CommandNotFound, CycloneError
+from cyclone_kit.core.proc import run_command
 
 
 def test_captures_stdout_stderr_and_status() -> None:

@@ -9,10 +9,11 @@ import subprocess
 
 import pytest
 
-from cyclone_kit.config import load_profile, spec_from_dict
-from cyclone_kit.errors import ValidationError
-from cyclone_kit.render import render_script, sbatch_quote, shell_quote
-from cyclone_kit.validate import resolve
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.spec.job import spec_from_dict
+from cyclone_kit.spec.profile import load_profile
+from cyclone_kit.spec.validate import resolve
+from cyclone_kit.submit.render import render_script, sbatch_quote, shell_quote
 from tests.conftest import REPO
 
 GOLDEN = REPO / "tests" / "golden"
@@ -60,7 +61,8 @@ def test_cyclone_4_node_script_has_everything():
                  f"#SBATCH --error={RUN_DIR}/logs/%x-%j.err", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
                  "--cpu-bind=cores --distribution=block:block --gpu-bind=none",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
-                 "export MASTER_ADDR", "-m cyclone_kit.ports 15000 16000", "export MASTER_PORT", "srun --kill-on-bad-exit=1"]:
+                 "export MASTER_ADDR",
+                 "-m cyclone_kit.core.ports 15000 16000", "export MASTER_PORT", "srun --kill-on-bad-exit=1"]:
         assert line in text, line
     assert "--account" not in text.replace("--account=<project>", "").replace("--account to", "")
     assert "module load" not in text  # issue 16: the job runs the submitting env's python with torch's own CUDA

@@ -23,7 +23,7 @@ from cyclone_kit.analysis.report import (
 )
 from cyclone_kit.analysis.scaling import fit_scaling_laws, scaling_table
 from cyclone_kit.analysis.synthetic import SyntheticRun, write_run, write_study
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 Run = partial(SyntheticRun, model="resnet18")
@@ -166,7 +166,7 @@ def test_a_study_with_no_complete_run_still_reports(tmp_path: Path) -> None:
 
 
 def test_cli_report_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from cyclone_kit.cli import main
+    from cyclone_kit.cli.app import main
 
     study = write_study(tmp_path, "w", "weak", [("n1", SyntheticRun(1, 10.0)), ("n2", SyntheticRun(2, 19.0))])
     assert main(["report", str(study), "-o", str(tmp_path / "out")]) == 0
@@ -182,7 +182,7 @@ def test_cli_report_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_importing_the_command_does_not_import_pandas_or_matplotlib() -> None:
-    code = ("import sys, cyclone_kit.commands.report; "
+    code = ("import sys, cyclone_kit.cli.report; "
             "print(sorted({'pandas', 'matplotlib', 'torch'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

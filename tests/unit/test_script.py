@@ -8,35 +8,28 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit.cli import split_script_args
-from cyclone_kit.config import (
-    ScriptConfig,
-    fill_script_args,
-    load_profile,
-    resolve_key,
-    spec_from_dict,
-    spec_to_dict,
-)
-from cyclone_kit.errors import ValidationError
-from cyclone_kit.jobspec import fill_args, is_script_path
-from cyclone_kit.launch import (
+from cyclone_kit.cli.app import split_script_args
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.runtime.env import DistEnv, detect
+from cyclone_kit.runtime.launch import (
     TIME_TO_SOLUTION,
     ShimArgs,
     UsageError,
     end_record,
     exit_status,
     parse_args,
-    rank_command,
     shim_command,
     start_record,
     time_to_solution_records,
     torchrun_variables,
 )
-from cyclone_kit.render import render_script
-from cyclone_kit.runtime.env import DistEnv, detect
-from cyclone_kit.script import check_script, compile_check, job_name_for, sha256_hex
-from cyclone_kit.sweep import expand, sweep_from_dict
-from cyclone_kit.validate import resolve
+from cyclone_kit.spec.job import ScriptConfig, fill_script_args, resolve_key, spec_from_dict, spec_to_dict
+from cyclone_kit.spec.jobspec import fill_args, is_script_path
+from cyclone_kit.spec.profile import load_profile
+from cyclone_kit.spec.script import check_script, compile_check, job_name_for, sha256_hex
+from cyclone_kit.spec.sweep import expand, sweep_from_dict
+from cyclone_kit.spec.validate import resolve
+from cyclone_kit.submit.render import render_script
 
 SHA = "a" * 64
 
@@ -165,16 +158,18 @@ def test_shim_usage_errors(argv: list[str]) -> None:
 
 def test_shim_command() -> None:
     assert shim_command(ScriptConfig(path="/a/t.py", args=("x",)), "/r", python="py") == [
-        "py", "-m", "cyclone_kit.launch", "--run-dir", "/r", "/a/t.py", "x"]
+        "py", "-m", "cyclone_kit.runtime.launch", "--run-dir", "/r", "/a/t.py", "x"]
     assert shim_command(ScriptConfig(module="m.n"), "/r", python="py", horovod=True) == [
-        "py", "-m", "cyclone_kit.launch", "--run-dir", "/r", "--horovod", "-m", "m.n"]
+        "py", "-m", "cyclone_kit.runtime.launch", "--run-dir", "/r", "--horovod", "-m", "m.n"]
 
 
 def test_rank_command_is_the_shim_for_scripts_only() -> None:
-    assert rank_command(spec_from_dict({}), "/r") is None
+    from cyclone_kit.rundir.entry import rank_argv
+
+    assert rank_argv(spec_from_dict({}), "/r", python="py") == ["py", "-m", "cyclone_kit.runtime", "--run-dir", "/r"]
     spec = spec_from_dict({"script": {"module": "m"}, "resources": {"launcher": "horovod"}})
-    assert rank_command(spec, "/r", python="py") == ["py", "-m", "cyclone_kit.launch", "--run-dir", "/r", "--horovod",
-                                                     "-m", "m"]
+    assert rank_argv(spec, "/r", python="py") == ["py", "-m", "cyclone_kit.runtime.launch", "--run-dir", "/r", "--horovod",
+                                                  "-m", "m"]
 
 
 @pytest.mark.parametrize(("code", "status"), [(None, 0), (0, 0), (3, 3), (True, 1), ("bye", 1), (256 + 4, 4), (-1, 255)])
@@ -229,15 +224,15 @@ def test_every_launcher_runs_the_shim_with_quoted_args(launcher: str) -> None:
     spec = spec_from_dict({"name": "s", "script": {"path": "/p q/t.py", "args": HOSTILE},
                            "resources": {"profile": "local", "nodes": 2, "launcher": launcher, **gpus}})
     text = render_script(resolve(spec, profile), "/runs/s 1")
-    line = next(x for x in text.split("\n    ") if "cyclone_kit.launch" in x)
-    words = shlex.split(text[text.index("-m cyclone_kit.launch"):])
-    assert words[:4] == ["-m", "cyclone_kit.launch", "--run-dir", "/runs/s 1"]
+    line = next(x for x in text.split("\n    ") if "cyclone_kit.runtime.launch" in x)
+    words = shlex.split(text[text.index("-m cyclone_kit.runtime.launch"):])
+    assert words[:4] == ["-m", "cyclone_kit.runtime.launch", "--run-dir", "/runs/s 1"]
     rest = words[4:]
     if launcher == "horovod":
         assert rest[0] == "--horovod"
         rest = rest[1:]
     assert rest[: 1 + len(HOSTILE)] == ["/p q/t.py", *HOSTILE], line
-    assert "cyclone_kit.runtime" not in text
+    assert "cyclone_kit.runtime " not in text and "cyclone_kit.runtime\n" not in text  # the shim, not the trainer
 
 
 def test_submit_fills_placeholders_from_the_layout() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.slurm.env import requeue_target, restart_count
 
 

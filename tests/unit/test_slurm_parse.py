@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit.errors import ParseError, ValidationError
+from cyclone_kit.core.errors import ParseError, ValidationError
 from cyclone_kit.slurm import argv
 from cyclone_kit.slurm.parse import (
     JobInfo,

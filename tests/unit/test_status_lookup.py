@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from cyclone_kit import lookup
-from cyclone_kit.errors import ValidationError
-from cyclone_kit.rundir import RunDir, StudyDir
+from cyclone_kit.backends import lookup
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.rundir.layout import RunDir, StudyDir
 from cyclone_kit.slurm.states import JobState, explain_state
 
 

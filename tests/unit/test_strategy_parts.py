@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from cyclone_kit.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.hvd import gloo_slot_env, horovodrun_command, import_horovod, node_key, uses_gloo_rendezvous
 from cyclone_kit.runtime.models import build_model

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cyclone_kit.errors import ValidationError
-from cyclone_kit.walltime import format_time, parse_time
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.slurm.walltime import format_time, parse_time
 
 
 @pytest.mark.parametrize(

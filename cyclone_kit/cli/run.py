@@ -1,0 +1,98 @@
+"""``run``: train right here with N local rank processes that see a Slurm-like environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``run``."""
+    from cyclone_kit.spec.jobspec import add_job_arguments
+
+    p = sub.add_parser(
+        "run",
+        help="run a job on this machine with N local ranks (Slurm-like environment, gloo on CPU)",
+        description="Start N real rank processes on this machine, each with the environment srun would give "
+        "it (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, ...), MASTER_ADDR=127.0.0.1 and a free "
+        "MASTER_PORT, so the same bootstrap path as on the cluster runs. No cluster profile checks. "
+        "If a rank dies the others are stopped within seconds, the first failure is printed first and "
+        "written to RUN_DIR/failure.json. Ctrl-C stops every rank.",
+    )
+    add_job_arguments(p, with_resources=False)
+    p.add_argument("--nproc", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="pretend nodes (all on this host; --nproc must be a multiple; default 1)")
+    p.add_argument("--threads", type=int, help="torch threads per rank (default: this machine's cores / --nproc)")
+    p.add_argument("--runs-dir", default="runs", help="where run directories are created (default: ./runs)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this many seconds")
+    p.add_argument("--cpu", action="store_true", help="hide every GPU from the ranks (CUDA_VISIBLE_DEVICES=''); "
+                   "needed when --nproc is larger than the number of GPUs here")
+    p.add_argument("--quiet", action="store_true", help="do not echo rank 0's output")
+    p.add_argument("--horovod", action="store_true",
+                   help="a Horovod script: run Horovod's Gloo rendezvous before it, so hvd.init() finds every rank")
+    p.add_argument("--resume", metavar="RUN_DIR", help="run an existing run directory again (its spec.json); "
+                   "training resumes from its newest checkpoint")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
+    from cyclone_kit.backends.local import LocalBackend, format_failure, launch, local_job
+    from cyclone_kit.core.errors import ValidationError
+    from cyclone_kit.rundir.entry import rank_argv
+    from cyclone_kit.rundir.layout import RunDir
+    from cyclone_kit.spec.job import load_spec, spec_from_dict, spec_to_dict
+    from cyclone_kit.spec.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
+
+    for flag in ("nproc", "nodes", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValidationError(f"--{flag}={value} must be at least 1", hint=f"e.g. --{flag} 2")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValidationError(f"--timeout={args.timeout:g} must be positive", hint="e.g. --timeout 600")
+    if args.resume:
+        rd = RunDir(Path(args.resume).absolute())
+        if not rd.is_run_dir():
+            raise ValidationError(f"--resume {args.resume!r} is not a run directory (no spec.json)",
+                                  hint="give the run dir printed by the first `run`")
+        if args.spec or args.overrides or args.module or getattr(args, "script_args", None):
+            raise ValidationError("--resume takes the run directory's own spec",
+                                  hint="drop SPEC, SCRIPT, -m, -- ARGS and --set, or start a new run without --resume")
+        job = local_job(load_spec(rd.spec), args.nproc, args.nodes, args.threads)
+    else:
+        spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
+        if args.horovod:
+            if spec.script is None:
+                raise ValidationError("--horovod is for a script run",
+                                      hint="give SCRIPT.py, or use --set train.strategy=horovod")
+            import dataclasses
+
+            spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher="horovod"))
+        job = fill_args(local_job(spec, args.nproc, args.nodes, args.threads))
+        rd = RunDir.create(Path(args.runs_dir).absolute(), job.spec.name,
+                           json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n", script_files(job.spec))
+    run_dir = rd.path
+    print(f"run dir: {run_dir}")
+    print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
+          f"logs in {rd.logs}", flush=True)
+    print(f"run dir: {run_dir}")
+    print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
+          f"logs in {rd.logs}", flush=True)
+    result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
+                    command=rank_argv(job.spec, run_dir),
+                    timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
+                    extra_env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None)
+    rd.write_submission(result.job_id, LocalBackend.name)
+    if result.ok:
+        status = rd.end_status() or "ended"
+        hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""
+        print(f"{status} in {result.wall_time_s:.1f} s; metrics: {rd.metrics}{hint}")
+        return 0
+    if result.first_failure is None:
+        sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {rd.failure}\n")
+        return result.returncode
+    sys.stderr.write(format_failure(result) + "\n")
+    return result.returncode

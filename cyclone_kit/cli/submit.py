@@ -1,0 +1,50 @@
+"""``submit``: validate a job against its cluster profile, render its sbatch script, submit it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cyclone_kit.core.errors import ValidationError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``submit``."""
+    from cyclone_kit.spec.jobspec import add_job_arguments
+
+    p = sub.add_parser("submit", help="render and submit a training job (sbatch, submitit or local)",
+                       description="Validate a job spec against a cluster profile, render its sbatch script "
+                                   "and submit it. With --dry-run the script goes to stdout and nothing is written.")
+    add_job_arguments(p)
+    p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    p.add_argument("--runs-dir", default="runs", help="where run directories are created (default: ./runs)")
+    p.add_argument("--backend", default="slurm", help="slurm (default), submitit or local")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Submit (or print) the job; prints the job id and run directory."""
+    from cyclone_kit.backends import check_backend_name
+    from cyclone_kit.rundir.layout import run_dir_name
+    from cyclone_kit.spec.jobspec import check_backend, job_from_args
+    from cyclone_kit.submit.render import render_script
+
+    check_backend_name(args.backend)  # a dry run is a rehearsal of the real submit: same refusals
+    job = job_from_args(args)
+    check_backend(job.spec, args.backend)
+    runs_dir = Path(args.runs_dir).absolute()
+    if args.dry_run:
+        sys.stdout.write(render_script(job, runs_dir / run_dir_name(job.spec.name)))
+        return 0
+    if job.profile.account_required and not job.account:
+        raise ValidationError(
+            f"profile {job.profile.name!r} requires a Slurm account",
+            hint="pass --account=<project> (e.g. p163) or set account in your profile",
+        )
+    from cyclone_kit.submit.submission import submit_job
+
+    run_dir, job_id = submit_job(job, runs_dir, backend=args.backend)
+    print(f"submitted job {job_id}")
+    print(f"run dir: {run_dir}")
+    return 0

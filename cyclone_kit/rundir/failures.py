@@ -1,0 +1,226 @@
+"""The failure record: one versioned schema, its writers, its reader and the root-cause choice.
+
+Two files record a failure, both inside the run directory (paths: :class:`cyclone_kit.rundir.layout.RunDir`):
+
+* ``ranks/error-rank-NNNNN.json``, a rank's **error record**: written by the rank itself when it
+  raises (:func:`write_error_record`), or by its watchdog when it was killed by a signal and
+  could not (:func:`death_record`). Fields: rank, host, pid, time, type, message, and
+  traceback / signal / exit_code / source.
+* ``failure.json``, the run's **failure record** (schema :data:`SCHEMA`), built by
+  :func:`failure_doc` only. Written by the local launcher (it saw which rank failed first) and
+  by the per-rank watchdog under Slurm (first writer wins). Fields::
+
+      schema: 1, kind: "failure", written_by: "local" | "watchdog",
+      cause: "rank_failed" | "interrupted",
+      root_cause: one line (also under "summary"), time, job_id,
+      rank, host, pid, exit_code, signal: the first failed rank (null when interrupted),
+      first: that rank's error record (or null),
+      ranks: [{rank, host, pid, exit_code, signal, elapsed_s, stopped_by_launcher}] (launcher only),
+      and writer-specific details (stop_s, stderr_log, stderr_tail ...).
+
+:func:`root_cause` is the one place that chooses the line ``status``, ``logs`` and ``run`` print.
+Stdlib only (the watchdog imports it without cost).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from cyclone_kit.rundir.fileio import read_json, write_atomic, write_new
+from cyclone_kit.rundir.layout import RunDir
+
+SCHEMA = 1
+CAUSES = ("rank_failed", "interrupted")
+#: The launchers' rank variables, most specific first (torchrun, Slurm, Open MPI, MPICH/PMI, submitit).
+RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SUBMITIT_LOCAL_GLOBALID")
+
+
+# --------------------------------------------------------------------------- pure helpers
+def signal_label(signum: int) -> str:
+    """``9`` -> ``"SIGKILL"`` (``"signal 99"`` for numbers Python has no name for)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def signal_name(returncode: int | None) -> str | None:
+    """The signal behind a :attr:`subprocess.Popen.returncode`: ``-9`` -> ``"SIGKILL"``; None for exits (pure)."""
+    if returncode is None or returncode >= 0:
+        return None
+    return signal_label(-returncode)
+
+
+def rank_guess(environ: Mapping[str, str]) -> int:
+    """This process's global rank from whichever launcher variable is set (0 when none; pure)."""
+    for key in RANK_VARS:
+        raw = environ.get(key, "")
+        if raw.isdigit():
+            return int(raw)
+    return 0
+
+
+def host_guess(environ: Mapping[str, str]) -> str:
+    """The node name as Slurm knows it, else this host's name."""
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def utc_now() -> str:
+    """The current time as ISO-8601 UTC with milliseconds."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def error_record(rank: int, host: str, exc: BaseException, traceback_text: str) -> dict[str, Any]:
+    """The error record of a rank that raised ``exc`` (pure but for the time and pid)."""
+    return {"rank": rank, "host": host, "type": type(exc).__name__, "message": str(exc),
+            "traceback": traceback_text, "time": utc_now(), "pid": os.getpid()}
+
+
+def death_record(rank: int, host: str, pid: int, returncode: int, when: str, job_id: str | None = None) -> dict[str, Any]:
+    """The error record of a rank that died without writing one (pure).
+
+    ``returncode`` is :attr:`subprocess.Popen.returncode`: negative for a signal.
+    """
+    record: dict[str, Any] = {"rank": rank, "host": host, "pid": pid, "time": when, "source": "watchdog"}
+    if returncode < 0:
+        name = signal_label(-returncode)
+        record.update(signal=name, exit_code=128 - returncode, type="KilledBySignal",
+                      message=f"the rank process was killed by {name} and could not write an error record")
+    else:
+        record.update(signal=None, exit_code=returncode, type="ExitedWithoutRecord",
+                      message=f"the rank process exited with code {returncode} without writing an error record")
+    if job_id:
+        record["slurm_job_id"] = job_id
+    return record
+
+
+def death_line(record: Mapping[str, Any]) -> str:
+    """``rank 1 on host c1 (pid 123) killed by SIGKILL`` for a :func:`death_record` (pure)."""
+    how = f"killed by {record['signal']}" if record.get("signal") else f"exited with code {record.get('exit_code')}"
+    return f"rank {record['rank']} on host {record['host']} (pid {record['pid']}) {how}"
+
+
+def format_error_record(rec: Mapping[str, Any]) -> str:
+    """One line for any error record: ``rank R on HOST: <what happened>`` (pure)."""
+    where = f"rank {rec.get('rank', '?')} on {rec.get('host', '?')}"
+    if rec.get("signal"):
+        what = f"killed by {rec['signal']}"
+    elif rec.get("exit_code") not in (None, 0):
+        what = f"exited with code {rec['exit_code']}"
+    else:
+        what = ""
+    detail = rec.get("message") or rec.get("error") or ""
+    if rec.get("type"):
+        detail = f"{rec['type']}: {detail}" if detail else str(rec["type"])
+    text = ", ".join(x for x in (what, detail) if x)
+    return f"{where}: {text}" if text else where
+
+
+def failure_doc(*, written_by: str, cause: str, root_cause: str, first: Mapping[str, Any] | None = None,
+                rank: int | None = None, host: str | None = None, pid: int | None = None,
+                exit_code: int | None = None, job_id: str | None = None,
+                ranks: Sequence[Mapping[str, Any]] = (), time: str | None = None, **details: Any) -> dict[str, Any]:
+    """The ``failure.json`` document (schema :data:`SCHEMA`); the one builder every writer uses (pure).
+
+    Args:
+        written_by: ``"local"`` (the local launcher) or ``"watchdog"``.
+        cause: one of :data:`CAUSES`.
+        root_cause: the one-line root cause.
+        first: the first failed rank's error record (None when it wrote none).
+        rank, host, pid, exit_code: the first failed rank (default: from ``first``).
+        job_id: the (real or fake) job id.
+        ranks: how every rank ended (the launcher knows; the watchdog does not).
+        time: when (default: now).
+        details: writer-specific extra fields.
+    """
+    if cause not in CAUSES:
+        raise ValueError(f"unknown failure cause {cause!r}")
+    first_ = dict(first) if first else None
+
+    def pick(key: str, given: Any) -> Any:
+        return given if given is not None else (first_ or {}).get(key)
+
+    code = pick("exit_code", exit_code)
+    doc: dict[str, Any] = {
+        "schema": SCHEMA, "kind": "failure", "written_by": written_by, "launcher": written_by, "cause": cause,
+        "root_cause": root_cause, "summary": root_cause, "time": time or utc_now(), "job_id": job_id,
+        "rank": pick("rank", rank), "host": pick("host", host), "pid": pick("pid", pid), "exit_code": code,
+        "signal": signal_name(code) if exit_code is not None else (first_ or {}).get("signal"),
+        "first": first_, "ranks": [dict(r) for r in ranks],
+    }
+    doc.update(details)
+    return doc
+
+
+# --------------------------------------------------------------------------- writers and readers
+def write_error_record(run_dir: Path, rank: int, host: str, exc: BaseException, traceback_text: str) -> Path:
+    """Write the rank's own error record ``ranks/error-rank-NNNNN.json`` atomically; returns its path."""
+    path = RunDir(run_dir).error_record(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(error_record(rank, host, exc, traceback_text), indent=1) + "\n")
+    return path
+
+
+def read_error_record(run_dir: Path, rank: int) -> dict[str, Any] | None:
+    """The rank's own error record, when it wrote one."""
+    data = read_json(RunDir(run_dir).error_record(rank))
+    return data if isinstance(data, dict) else None
+
+
+def write_failure(run_dir: Path, doc: Mapping[str, Any], *, first_wins: bool = False) -> bool:
+    """Write ``failure.json``; with ``first_wins`` only when none exists yet. True when written."""
+    path = RunDir(run_dir).failure
+    text = json.dumps(dict(doc), indent=2) + "\n"
+    if first_wins:
+        return write_new(path, text)
+    write_atomic(path, text)
+    return True
+
+
+def record_death(run_dir: Path, record: Mapping[str, Any]) -> None:
+    """The watchdog's writes: the rank's error record (unless it wrote one) and ``failure.json`` (first wins)."""
+    rd = RunDir(run_dir)
+    own = rd.error_record(int(record["rank"]))
+    own.parent.mkdir(parents=True, exist_ok=True)
+    if not own.exists():
+        write_new(own, json.dumps(dict(record), indent=1) + "\n")
+    doc = failure_doc(written_by="watchdog", cause="rank_failed", root_cause=death_line(record), first=record,
+                      job_id=record.get("slurm_job_id"), time=record.get("time"))
+    write_failure(rd.path, doc, first_wins=True)
+
+
+def read_failure(run_dir: Path) -> dict[str, Any] | None:
+    """The decoded ``failure.json`` (None when there is none)."""
+    data = read_json(RunDir(run_dir).failure)
+    return data if isinstance(data, dict) else None
+
+
+def root_cause(run_dir: Path) -> str | None:
+    """The first failure of a run, as one line, or None when nothing failed.
+
+    ``failure.json`` (written by whoever saw which rank died first) wins, except an interrupt
+    after which every rank checkpointed and exited 0 (a stop on request); else the earliest
+    per-rank error record. Older schema-less records (``first`` only) are read too.
+    """
+    failure = read_failure(run_dir)
+    if failure is not None:
+        ranks = failure.get("ranks")
+        if failure.get("cause") == "interrupted" and isinstance(ranks, list) and ranks and all(
+                isinstance(r, dict) and r.get("exit_code") == 0 for r in ranks):
+            return None  # stopped on request and every rank checkpointed and exited cleanly
+        if isinstance(failure.get("root_cause"), str):
+            return failure["root_cause"]
+        first = failure.get("first") if isinstance(failure.get("first"), dict) else failure
+        return format_error_record(first)
+    records = [r for r in (read_json(p) for p in RunDir(run_dir).error_records()) if isinstance(r, dict)]
+    if not records:
+        return None
+    records.sort(key=lambda r: (str(r.get("time", "")), r.get("rank", 0)))
+    return format_error_record(records[0])

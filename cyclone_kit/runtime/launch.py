@@ -1,0 +1,459 @@
+"""The launch shim: run a user's training script on this rank, unchanged.
+
+``python -m cyclone_kit.runtime.launch [--run-dir DIR] [--horovod] (SCRIPT.py | -m MODULE) [ARGS...]``
+is what every rank of a script job runs (the sbatch templates and ``cyclone-kit run`` put it in
+front of the script). On this rank it:
+
+1. detects where the process sits from the launcher's variables (:func:`cyclone_kit.runtime.env.detect`:
+   srun, torchrun, Open MPI/PMI, submitit, the local launcher, or none) and exports the torchrun
+   variables from that :class:`~cyclone_kit.runtime.env.DistEnv` (:func:`torchrun_variables`: RANK,
+   LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, besides Slurm's),
+   so ``init_process_group(init_method="env://")``, Lightning, Accelerate and ``ck.init()`` all
+   find their ranks;
+2. with ``--horovod``, runs Horovod's Gloo rendezvous the runtime already has
+   (:mod:`cyclone_kit.runtime.hvd`) when this Horovod build needs it (no MPI, or
+   ``HOROVOD_CONTROLLER=gloo``), so a script's ``hvd.init()`` finds its peers;
+3. on rank 0, appends a ``start`` record to ``RUN_DIR/shim.jsonl`` (script, its hash, world size,
+   hosts, launcher) and, when the script ends, an ``end`` record (exit status, wall time);
+4. keeps the job's time-limit warning signal (``checkpoint.signal``, USR2) from killing a script
+   that does not handle it (:func:`note_requeue_signal`);
+5. runs the script **in this process** (:func:`runpy.run_path` / :func:`runpy.run_module`, as
+   ``python SCRIPT`` / ``python -m MODULE`` would, with ``sys.argv = [SCRIPT, *ARGS]``).
+
+Why in-process rather than a child process or ``exec``: the script *is* the rank process, so
+srun's, scancel's and the local launcher's signals reach it directly with nothing to forward
+(Slurm's ``--signal`` and SIGTERM, a requeue, Ctrl-C), its exit status is the process's own
+(``sys.exit(3)`` exits 3, a SIGKILL is a SIGKILL), and no second interpreter starts (start-up
+costs only this module's small imports). ``os.execv`` would be as exact but leaves nobody to write
+the end record. Under Slurm the rank still runs below cyclone_kit's watchdog
+(:mod:`cyclone_kit.runtime.watchdog`), which forwards what reaches it alone and records a death by
+signal that the rank cannot record itself.
+
+When the script raises, this rank writes its error record (``ranks/error-rank-N.json``: type,
+message, traceback; the root cause the launcher and ``status`` print first), prints the
+traceback and leaves at once with exit code 1, without waiting for peers that may never answer;
+a non-zero ``sys.exit`` is recorded the same way. After a completed script the exit handlers run
+and the process leaves without running interpreter tear-down, so a gloo process group left alive
+by the script cannot abort a finished run (torch 2.14).
+
+A script that never calls ``ck.log_step`` still gets a scaling report: when rank 0's script
+wrote nothing to ``metrics.jsonl``, the shim appends a ``start``/``end`` pair there in the metrics
+contract, with strategy ``time-to-solution`` and ``samples_per_s`` = 1 / wall time (solutions
+per second), so the report's speed-up is T(N0) / T(N) of the whole script for the same work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cyclone_kit.rundir.layout import RunDir
+
+#: The strategy label of the records written for a script without ``ck.log_step``.
+TIME_TO_SOLUTION = "time-to-solution"
+#: The variables a torchrun worker sees, all set by :func:`torchrun_variables`.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+USAGE = ("usage: python -m cyclone_kit.runtime.launch [--run-dir DIR] [--horovod] (SCRIPT.py | -m MODULE) [ARGS...]")
+
+
+@dataclass(frozen=True)
+class ShimArgs:
+    """The shim's command line: its own options, then the script (or module) and its arguments."""
+
+    run_dir: str | None
+    horovod: bool
+    script: str | None
+    module: str | None
+    args: tuple[str, ...]
+
+    @property
+    def target(self) -> str:
+        """The script path, or ``-m MODULE``."""
+        return self.script if self.script is not None else f"-m {self.module}"
+
+
+class UsageError(Exception):
+    """The shim's command line is wrong."""
+
+
+def parse_args(argv: Sequence[str], environ: Mapping[str, str]) -> ShimArgs:
+    """Parse the shim's arguments like ``python`` does: options until the script (pure).
+
+    Raises:
+        UsageError: no script, or an unknown option before it.
+    """
+    run_dir = environ.get("CYCLONE_RUN_DIR") or None
+    horovod = False
+    rest = list(argv)
+    while rest:
+        head = rest[0]
+        if head == "--run-dir" and len(rest) >= 2:
+            run_dir, rest = rest[1], rest[2:]
+        elif head.startswith("--run-dir="):
+            run_dir, rest = head.split("=", 1)[1], rest[1:]
+        elif head == "--horovod":
+            horovod, rest = True, rest[1:]
+        elif head == "--":
+            rest = rest[1:]
+            break
+        elif head == "-m":
+            if len(rest) < 2:
+                raise UsageError("-m needs a module name")
+            return ShimArgs(run_dir, horovod, None, rest[1], tuple(rest[2:]))
+        elif head.startswith("-"):
+            raise UsageError(f"unknown option {head!r}")
+        else:
+            break
+    if not rest:
+        raise UsageError("no script to run")
+    if rest[0] == "-m":
+        if len(rest) < 2:
+            raise UsageError("-m needs a module name")
+        return ShimArgs(run_dir, horovod, None, rest[1], tuple(rest[2:]))
+    return ShimArgs(run_dir, horovod, rest[0], None, tuple(rest[1:]))
+
+
+def torchrun_variables(env: Any) -> dict[str, str]:
+    """The variables torchrun gives a worker, from a :class:`~cyclone_kit.runtime.env.DistEnv` (pure)."""
+    return {
+        "RANK": str(env.rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "GROUP_RANK": str(env.node_rank),
+        "ROLE_RANK": str(env.rank),
+        "ROLE_WORLD_SIZE": str(env.world_size),
+        "MASTER_ADDR": env.master_addr,
+        "MASTER_PORT": str(env.master_port),
+    }
+
+
+def shim_command(script: Any, run_dir: Path | str, *, python: str | None = None,
+                 horovod: bool = False) -> list[str]:
+    """The argv a rank runs for ``script`` (a :class:`~cyclone_kit.spec.job.ScriptConfig`; pure)."""
+    from cyclone_kit.rundir.entry import script_target, shim_words
+
+    return [python or sys.executable, *shim_words(run_dir, script_target(script), horovod=horovod)]
+
+
+def exit_status(code: object) -> int:
+    """The process exit status ``sys.exit(code)`` gives (None: 0; an int; anything else: 1; pure)."""
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code & 0xFF if code >= 0 else (256 + code) & 0xFF
+    return 1
+
+
+def start_record(env: Any, shim: ShimArgs, spec: Any, when: str) -> dict[str, Any]:
+    """Rank 0's shim ``start`` record (pure)."""
+    script = getattr(spec, "script", None)
+    return {
+        "kind": "start", "schema": 1, "source": "launch", "time": when,
+        "script": shim.target, "args": list(shim.args),
+        "sha256": getattr(script, "sha256", "") or None,
+        "world_size": env.world_size, "num_nodes": env.num_nodes, "local_world_size": env.local_world_size,
+        "launcher": env.launcher, "hostnames": list(env.hostnames) or [env.host or socket.gethostname()],
+        "slurm_job_id": env.job_id, "restart_count": env.restart_count, "pid": os.getpid(),
+    }
+
+
+def end_record(status: str, exit_code: int, wall_time_s: float, when: str, error: str | None = None) -> dict[str, Any]:
+    """Rank 0's shim ``end`` record (pure); ``status`` is ``completed`` or ``failed``."""
+    return {"kind": "end", "schema": 1, "source": "launch", "time": when, "status": status,
+            "exit_code": exit_code, "wall_time_s": round(wall_time_s, 6), "error": error}
+
+
+def time_to_solution_records(start: Mapping[str, Any], end: Mapping[str, Any], spec: Any,
+                             name: str) -> list[dict[str, Any]]:
+    """The metrics-contract ``start``/``end`` pair for a script without ``ck.log_step`` (pure).
+
+    ``samples_per_s`` is 1 / wall time: the report's speed-up T(N)/T(N0) of this figure is the
+    time-to-solution speed-up T(N0)/T(N) of the wall times, for the same work.
+    """
+    from cyclone_kit.rundir.contract import end_record as metrics_end
+    from cyclone_kit.rundir.contract import record
+
+    per_device = getattr(getattr(spec, "script", None), "batch_size", 0) or None
+    world = int(start["world_size"])
+    wall = float(end["wall_time_s"])
+    head = record(
+        "start", run_id=f"{name}-{start['slurm_job_id'] or start['pid']}", world_size=world,
+        num_nodes=start["num_nodes"], local_world_size=start["local_world_size"],
+        per_device_batch_size=per_device, global_batch_size=per_device * world if per_device else None,
+        model=name, dataset="script", precision=None, strategy=TIME_TO_SOLUTION,
+        launcher=start["launcher"], device=_device_kind(spec),
+        device_name=None, hostnames=start["hostnames"], slurm_job_id=start["slurm_job_id"], time=start["time"],
+        versions={"cyclone_kit": _version()}, git_commit=None, restart_count=start["restart_count"],
+        basis=TIME_TO_SOLUTION,
+    )
+    status = "completed" if end["status"] == "completed" else "failed"
+    tail = metrics_end(status, 0, 1.0 / wall if wall > 0 and status == "completed" else None, wall, end["time"])
+    return [head, {**tail, "steps": None, "basis": TIME_TO_SOLUTION}]
+
+
+def _device_kind(spec: Any) -> str | None:
+    """``cuda`` when the job was given GPUs, ``cpu`` when it was given none, None when unknown (pure)."""
+    gpus = getattr(getattr(spec, "resources", None), "gpus_per_node", None)
+    return None if gpus is None else ("cuda" if gpus else "cpu")
+
+
+# --------------------------------------------------------------------------- side effects
+def _version() -> str:
+    from cyclone_kit.core.version import __version__
+
+    return __version__
+
+
+def _append(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """Append records, one JSON line each, flushed (rank 0 only)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, separators=(",", ":"), default=str) + "\n")
+        f.flush()
+
+
+def _load_spec(run_dir: Path | None) -> Any:
+    if run_dir is None or not RunDir(run_dir).is_run_dir():
+        return None
+    try:
+        from cyclone_kit.spec.job import load_spec
+
+        return load_spec(RunDir(run_dir).spec)
+    except Exception:  # the spec is a record here, not an input: a script runs without it
+        return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"cyclone_kit.runtime.launch: {text}\n")
+    sys.stderr.flush()
+
+
+def _check_hash(shim: ShimArgs, spec: Any) -> None:
+    """Warn when the script is no longer the one whose hash was recorded at submission."""
+    expected = getattr(getattr(spec, "script", None), "sha256", "")
+    if not expected or shim.script is None:
+        return
+    try:
+        from cyclone_kit.spec.script import sha256_hex
+
+        actual = sha256_hex(Path(shim.script).read_bytes())
+    except OSError:
+        return
+    if actual != expected:
+        _say(f"warning: {shim.script} changed since submission (sha256 {actual[:12]}, recorded {expected[:12]}); "
+             "the run directory's script/ folder holds the submitted copy")
+
+
+def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str]) -> Any:
+    """Detect this rank, export the torchrun variables (and Horovod's), return the DistEnv."""
+    from cyclone_kit.runtime.env import detect
+
+    env = detect(environ)
+    variables = torchrun_variables(env)
+    if env.launcher == "single" and not environ.get("MASTER_PORT"):
+        with socket.socket() as s:  # alone on this host: any free port, not a fixed default
+            s.bind(("127.0.0.1", 0))
+            variables["MASTER_PORT"] = str(s.getsockname()[1])
+    environ.update(variables)
+    # who really started the ranks (detection inside the script now says torchrun): for ck's records
+    environ.setdefault("CYCLONE_LAUNCHER", env.launcher)
+    if shim.horovod:
+        from cyclone_kit.runtime import hvd
+
+        horovod = hvd.import_horovod()
+        if hvd.uses_gloo_rendezvous(env, environ, horovod.mpi_built()):
+            environ.update(hvd.gloo_rendezvous(env, timeout_s=int(environ.get("CYCLONE_HOROVOD_TIMEOUT_S", "600"))))
+    return env
+
+
+def note_requeue_signal(spec: Any) -> int | None:
+    """Keep the job's early-warning signal from killing a script that does not handle it.
+
+    The sbatch header asks Slurm for ``checkpoint.signal`` (USR2 by default) some minutes before the
+    time limit, for scripts that checkpoint on it (``ck.stop_requested()`` installs its own handler,
+    as do Lightning and others, replacing this one). A script that ignores it would otherwise die
+    of it, minutes of work early: this handler prints one line and lets it run on. TERM, INT and
+    HUP keep their meaning (stop). Returns the signal number handled, or None.
+    """
+    import signal
+
+    name = getattr(getattr(spec, "checkpoint", None), "signal", "USR2")
+    if name not in ("USR1", "USR2", "URG"):
+        return None
+    signum = int(getattr(signal, f"SIG{name}"))
+
+    def note(received: int, frame: object) -> None:
+        _say(f"SIG{name} received (the job's time-limit warning); this script does not handle it, so it "
+             "runs on until Slurm stops it (ck.stop_requested() would checkpoint and requeue)")
+
+    if signal.getsignal(signum) in (signal.SIG_DFL, None):
+        signal.signal(signum, note)
+    return signum
+
+
+def run_script(shim: ShimArgs) -> None:
+    """Run the script or module as ``__main__`` in this process (raises what it raises)."""
+    import runpy
+
+    if shim.module is not None:
+        sys.argv = [shim.module, *shim.args]
+        runpy.run_module(shim.module, run_name="__main__", alter_sys=True)
+    else:
+        assert shim.script is not None
+        sys.argv = [shim.script, *shim.args]
+        # python SCRIPT puts the script's folder first on sys.path (sibling imports)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(shim.script)))
+        runpy.run_path(shim.script, run_name="__main__")
+
+
+def _utc_now() -> str:
+    from cyclone_kit.rundir.contract import utc_now
+
+    return utc_now()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the shim (see the module doc); returns only on a usage error, else leaves with the script's status."""
+    raw = list(sys.argv[1:] if argv is None else argv)
+    try:
+        shim = parse_args(raw, os.environ)
+    except UsageError as e:
+        sys.stderr.write(f"error: {e} HINT: {USAGE}\n")
+        return 2
+    from cyclone_kit.runtime import watchdog
+
+    if watchdog.wanted(os.environ):  # under Slurm: a parent records how this rank died (see watchdog)
+        from cyclone_kit.rundir.entry import SHIM_MODULE
+
+        return watchdog.supervise([sys.executable, "-m", SHIM_MODULE, *raw], shim.run_dir)
+    _leave(_run(shim))
+    return 0  # not reached
+
+
+def _run(shim: ShimArgs) -> int:
+    """Everything between the parsed arguments and the exit status."""
+    from cyclone_kit.core.errors import CycloneError
+
+    # `python -m cyclone_kit.runtime.launch` runs this module as __main__: register it under its own name too,
+    # so code in the script (ck's exception hook) can tell that the shim records the end and exits.
+    sys.modules.setdefault(__spec__.name if __spec__ else "cyclone_kit.runtime.launch", sys.modules[__name__])
+
+    started = time.monotonic()
+    run_dir = Path(shim.run_dir).absolute() if shim.run_dir else None
+    if run_dir is not None:
+        os.environ["CYCLONE_RUN_DIR"] = str(run_dir)
+    rank, host = watchdog_rank(), socket.gethostname()
+    try:
+        env = prepare_rank(shim, os.environ)
+    except CycloneError as e:
+        sys.stderr.write(f"error: [rank {rank}] {e}\n")
+        _record_error(run_dir, rank, host, e)
+        return e.exit_code
+    except Exception as e:
+        sys.stderr.write(f"cyclone_kit.runtime.launch: rank {rank} could not join its peers:\n{traceback.format_exc()}")
+        _record_error(run_dir, rank, host, e)
+        return 1
+    rank, host = env.rank, env.host or host
+    spec = _load_spec(run_dir)
+    main_rank = env.rank == 0 and run_dir is not None
+    start = start_record(env, shim, spec, _utc_now())
+    metrics = RunDir(run_dir).metrics if run_dir is not None else None
+    metrics_before = _size(metrics) if metrics is not None else -1
+    if main_rank:
+        _check_hash(shim, spec)
+        _append(RunDir(run_dir).shim, [start])
+    if spec is not None:
+        note_requeue_signal(spec)
+    code, error = 0, None
+    try:
+        run_script(shim)
+    except SystemExit as e:
+        code = exit_status(e.code)
+        if code:
+            error = f"the script exited with code {code}"
+            _record_error(run_dir, rank, host, e, message=f"{shim.target} called sys.exit({e.code!r})")
+    except KeyboardInterrupt as e:
+        code, error = 130, "interrupted"
+        _record_error(run_dir, rank, host, e, message="interrupted (SIGINT)")
+    except BaseException as e:
+        code, error = 1, f"{type(e).__name__}: {e}"
+        if isinstance(e, CycloneError):  # e.g. a ck.* call out of order: one line, its own exit code
+            code = e.exit_code
+        else:
+            sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n")
+        sys.excepthook(type(e), e, e.__traceback__)  # as for any uncaught exception (ck's hook records it too)
+        _record_error(run_dir, rank, host, e)
+    if main_rank:
+        assert run_dir is not None and metrics is not None
+        status = "completed" if code == 0 else "failed"
+        end = end_record(status, code, time.monotonic() - started, _utc_now(), error)
+        _append(RunDir(run_dir).shim, [end])
+        if _size(metrics) == metrics_before:  # the script wrote no metrics: time to solution
+            name = Path(shim.script).stem if shim.script else str(shim.module)
+            _append(metrics, time_to_solution_records(start, end, spec, name))
+    return code
+
+
+def watchdog_rank() -> int:
+    """This process's rank from the launcher's variables, before detection (0 when none says)."""
+    from cyclone_kit.rundir.failures import rank_guess
+
+    return rank_guess(os.environ)
+
+
+def _record_error(run_dir: Path | None, rank: int, host: str, exc: BaseException, message: str | None = None) -> None:
+    """Write this rank's error record (the root cause the launcher prints first)."""
+    if run_dir is None or RunDir(run_dir).error_record(rank).exists():
+        return  # the script's own record (ck's exception hook) is kept
+    try:
+        from cyclone_kit.rundir.failures import write_error_record
+
+        if message is not None:
+            exc = type(exc)(message) if not isinstance(exc, SystemExit) else ScriptExit(message)
+        write_error_record(run_dir, rank, host, exc, traceback.format_exc())
+    except Exception as write_error:  # never hide the script's own failure behind this one
+        _say(f"could not write the error record: {write_error}")
+
+
+class ScriptExit(Exception):
+    """A non-zero ``sys.exit`` of the script, as its error record names it."""
+
+
+def _leave(code: int) -> None:
+    """Run the exit handlers, flush, and leave without interpreter tear-down (see the module doc).
+
+    A failed rank leaves at once (no exit handlers that could wait on a dead peer).
+    """
+    if code == 0:
+        import atexit
+
+        atexit._run_exitfuncs()  # prints (and swallows) a failing handler's error, as at a normal exit
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

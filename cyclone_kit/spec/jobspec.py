@@ -1,0 +1,216 @@
+"""Turn CLI flags and spec files into a resolved job (the shared front half of submit/run/sweep)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.spec.job import JobSpec, apply_overrides, set_fields, spec_from_dict, spec_to_dict
+from cyclone_kit.spec.profile import load_profile
+from cyclone_kit.spec.toolbox import read_toml, reject_empty_strings
+from cyclone_kit.spec.validate import ResolvedJob, resolve
+
+DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "jobs" / "default.toml"
+
+#: CLI flag (argparse dest) -> spec key.
+FLAG_KEYS = {
+    "profile": "resources.profile",
+    "partition": "resources.partition",
+    "nodes": "resources.nodes",
+    "gpus_per_node": "resources.gpus_per_node",
+    "ntasks_per_node": "resources.ntasks_per_node",
+    "cpus_per_task": "resources.cpus_per_task",
+    "time": "resources.time",
+    "account": "resources.account",
+    "launcher": "resources.launcher",
+    "name": "name",
+}
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, *, with_resources: bool = True) -> None:
+    """Add SPEC, --set and the resource flags shared by submit, run and sweep."""
+    parser.add_argument("spec", nargs="?", metavar="SPEC|SCRIPT.py",
+                        help="job spec TOML (default: the embedded ResNet-50 benchmark job), or your own training "
+                             "script (SCRIPT.py [options] -- ARGS: every rank runs it with the torchrun variables set)")
+    parser.add_argument("-m", dest="module", metavar="MODULE",
+                        help="run your training module (as python -m MODULE) instead of a script file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any spec field, e.g. --set train.lr=0.2 (repeatable)")
+    if with_resources:
+        parser.add_argument("--profile", help="cluster profile name or .toml path (default: the spec's, else cyclone)")
+        parser.add_argument("--partition", help="Slurm partition (default: the spec's, else the profile's default)")
+        parser.add_argument("--nodes", type=int, help="number of nodes")
+        parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: all of the node's)")
+        parser.add_argument("--ntasks-per-node", type=int, help="tasks per node (srun: one per GPU)")
+        parser.add_argument("--cpus-per-task", type=int, help="CPU cores per task")
+        parser.add_argument("--time", help="wall time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+        parser.add_argument("--account", help="Slurm account (project), e.g. p163")
+        parser.add_argument("--launcher", help="srun (one task per GPU), torchrun (one task per node) or horovod")
+    parser.add_argument("--name", help="job name (letters, digits, . _ + -)")
+    add_data_check_argument(parser)
+
+
+def add_data_check_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--no-data-check`` (train.data_dir is checked on this machine unless given)."""
+    parser.add_argument("--no-data-check", action="store_true",
+                        help="do not check that train.data_dir exists here (for a path only the compute nodes see)")
+
+
+def check_data_dir(spec: JobSpec) -> None:
+    """Refuse a ``train.data_dir`` that does not exist on this (login) node, before any queue wait.
+
+    Only datasets read from disk are checked; callers skip the check for ``--no-data-check``.
+
+    Raises:
+        ValidationError: the directory is missing or is not a directory.
+    """
+    if spec.train.dataset == "synthetic" or not spec.train.data_dir:
+        return
+    path = Path(spec.train.data_dir).expanduser()
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist on this machine"
+        raise ValidationError(
+            f"train.data_dir {spec.train.data_dir!r} {what}",
+            hint="fix the path (--set train.data_dir=/path/to/data), or pass --no-data-check "
+                 "if only the compute nodes can see it",
+        )
+
+
+def is_script_path(spec_arg: str | None) -> bool:
+    """Whether the positional argument names a Python script rather than a TOML spec (pure)."""
+    return bool(spec_arg) and str(spec_arg).endswith((".py", ".pyw"))
+
+
+def script_table_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``[script]`` table the command line asks for (``SCRIPT.py`` or ``-m``, ``-- ARGS``), or None."""
+    module = getattr(args, "module", None)
+    script_args = list(getattr(args, "script_args", None) or [])
+    if module and args.spec:
+        raise ValidationError(f"both {args.spec!r} and -m {module}",
+                              hint="give either SCRIPT.py, -m MODULE or a job spec TOML")
+    if module:
+        return {"module": module, "args": script_args}
+    if is_script_path(args.spec):
+        return {"path": str(args.spec), "args": script_args}  # made absolute by the check (from the cwd)
+    if script_args:
+        raise ValidationError(f"arguments after -- ({' '.join(script_args)}) but no script to give them to",
+                              hint="write SCRIPT.py or -m MODULE before --")
+    return None
+
+
+def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The spec file (or embedded default), then --set, then explicit flags (pure but for the read).
+
+    ``SCRIPT.py`` or ``-m MODULE`` take the embedded default's resources (but its partition) and
+    checkpoint sections with a ``[script]`` table instead of its ``[train]``, named after the script.
+    """
+    script = script_table_from_args(args)
+    if script is not None:
+        from cyclone_kit.spec.job import ScriptConfig
+        from cyclone_kit.spec.script import job_name_for
+
+        default = read_toml(DEFAULT_SPEC)
+        data = {"name": job_name_for(ScriptConfig(path=script.get("path", ""), module=script.get("module", ""))),
+                # the profile's default partition, not the embedded benchmark's
+                "resources": {k: v for k, v in default.get("resources", {}).items() if k != "partition"},
+                "checkpoint": default.get("checkpoint", {}),
+                "script": script}
+    else:
+        spec_path = Path(args.spec) if args.spec else DEFAULT_SPEC
+        data = read_toml(spec_path)
+        if args.spec and "sweep" in data:
+            command = "sweep" if getattr(args, "command", None) != "sweep" else "submit"
+            raise ValidationError(f"{args.spec} is a sweep spec (it has a [sweep] table), not a job spec",
+                                  hint=f"run it with `cyclone-kit {command} {args.spec}`")
+        # a script's own argument list may hold an empty string; every other empty value is refused
+        script_table = data.get("script") if isinstance(data.get("script"), dict) else None
+        reject_empty_strings({**data, "script": {k: v for k, v in script_table.items() if k != "args"}}
+                             if script_table is not None else data, args.spec or str(DEFAULT_SPEC))
+        if isinstance(data.get("script"), dict):
+            data = {**data, "script": _script_paths_from(data["script"], spec_path.parent)}
+    flags = [(key, getattr(args, dest)) for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None]
+    return set_fields(apply_overrides(data, args.overrides), flags)
+
+
+def _script_paths_from(table: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """A TOML ``[script]`` table with its relative ``path`` made absolute from the spec file's folder."""
+    path = table.get("path")
+    if isinstance(path, str) and path and not Path(path).expanduser().is_absolute():
+        return {**table, "path": str((base_dir / Path(path).expanduser()).absolute())}
+    return table
+
+
+def checked_spec(spec: JobSpec) -> tuple[JobSpec, Any]:
+    """``spec`` with its script checked (exists, compiles) and hashed; (spec, CheckedScript or None)."""
+    if spec.script is None:
+        return spec, None
+    from cyclone_kit.spec.script import check_script
+
+    checked = check_script(spec.script, Path.cwd())
+    return dataclasses.replace(spec, script=checked.config), checked
+
+
+def check_backend(spec: JobSpec, backend: str) -> None:
+    """Refuse a backend that cannot run a user's script (submitit runs the built-in trainer's callable)."""
+    if spec.script is not None and backend == "submitit":
+        raise ValidationError(f"the submitit backend runs the built-in trainer, not {spec.script.label}",
+                              hint="use --backend slurm (default) or --backend local for a script")
+
+
+def fill_args(job: ResolvedJob) -> ResolvedJob:
+    """The job with the placeholders in its script's args filled from its layout (pure)."""
+    spec = job.spec
+    if spec.script is None:
+        return job
+    from cyclone_kit.spec.job import fill_script_args
+
+    per_device = spec.script.batch_size
+    values = {"per_device_batch_size": per_device, "global_batch_size": per_device * job.world_size,
+              "world_size": job.world_size, "num_nodes": job.nodes}
+    script = dataclasses.replace(spec.script, args=fill_script_args(spec.script.args, values))
+    return dataclasses.replace(job, spec=dataclasses.replace(spec, script=script))
+
+
+def job_from_args(args: argparse.Namespace) -> ResolvedJob:
+    """Build and validate the job the flags describe (a script must exist and compile)."""
+    spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
+    job = fill_args(resolve(spec, load_profile(spec.resources.profile)))
+    if not getattr(args, "no_data_check", False):
+        check_data_dir(job.spec)
+    return job
+
+
+def script_files(spec: JobSpec) -> dict[str, bytes]:
+    """The run directory's copy of the job's script (``{}`` for the built-in trainer)."""
+    if spec.script is None:
+        return {}
+    from cyclone_kit.spec.script import check_script
+
+    checked = check_script(spec.script, Path.cwd())
+    if checked.config.sha256 != spec.script.sha256:
+        raise ValidationError(f"script {checked.source_path} changed while the job was being prepared",
+                              hint="submit again")
+    return {checked.copy_name: checked.content}
+
+
+def resolved_spec(job: ResolvedJob) -> JobSpec:
+    """The spec with every resource the profile decided written in (what the run records)."""
+    res = dataclasses.replace(
+        job.spec.resources,
+        partition=job.partition.name,
+        gpus_per_node=job.gpus_per_node,
+        ntasks_per_node=job.ntasks_per_node,
+        cpus_per_task=job.cpus_per_task,
+        time=job.time,
+        account=job.account,
+    )
+    return dataclasses.replace(job.spec, resources=res)
+
+
+def spec_json(job: ResolvedJob) -> str:
+    """The resolved spec as the run directory's ``spec.json`` text."""
+    return json.dumps(spec_to_dict(resolved_spec(job)), indent=2, sort_keys=True) + "\n"

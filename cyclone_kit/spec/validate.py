@@ -1,0 +1,133 @@
+"""Check a job spec against a cluster profile and fill in what the profile decides (pure).
+
+Every check raises a one-line :class:`ValidationError` whose HINT names the fix, so a
+request that cannot run never reaches the queue (``sbatch -N3`` on a 2-node partition is
+accepted by Slurm and then pends forever).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.slurm.walltime import format_time, parse_time
+from cyclone_kit.spec.job import JobSpec
+from cyclone_kit.spec.profile import ClusterProfile, Partition
+from cyclone_kit.spec.toolbox import parse_mem_mb
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A spec whose resources are fully decided for one partition of one profile."""
+
+    spec: JobSpec
+    profile: ClusterProfile
+    partition: Partition
+    nodes: int
+    gpus_per_node: int
+    ntasks_per_node: int
+    cpus_per_task: int
+    time_s: int
+    account: str
+
+    @property
+    def world_size(self) -> int:
+        """Number of training ranks (one per GPU, or per task on CPU partitions)."""
+        if self.spec.resources.launcher == "torchrun":
+            return self.nodes * self.procs_per_node
+        return self.nodes * self.ntasks_per_node
+
+    @property
+    def procs_per_node(self) -> int:
+        """Training processes per node (torchrun starts this many per task)."""
+        if self.spec.resources.launcher == "torchrun":
+            return self.gpus_per_node or 1
+        return self.ntasks_per_node
+
+    @property
+    def time(self) -> str:
+        """The wall time in Slurm's canonical form."""
+        return format_time(self.time_s)
+
+
+def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
+    """Decide every resource of ``spec`` on ``profile``, or raise the first problem found."""
+    res = spec.resources
+    part = profile.partition(res.partition) if res.partition else profile.default_partition
+    where = f"partition {part.name!r} of profile {profile.name!r}"
+
+    if res.nodes > part.nodes:
+        raise ValidationError(
+            f"--nodes={res.nodes} but {where} has {part.nodes} nodes",
+            hint=f"use --nodes between 1 and {part.nodes}, or another partition",
+        )
+
+    gpus = part.gpus_per_node if res.gpus_per_node is None else res.gpus_per_node
+    if gpus > part.gpus_per_node:
+        raise ValidationError(
+            f"--gpus-per-node={gpus} but {where} has {part.gpus_per_node} GPUs per node",
+            hint=f"use --gpus-per-node={part.gpus_per_node} or fewer" if part.gpus_per_node
+            else "use --partition with GPUs (e.g. gpu) or --gpus-per-node=0",
+        )
+
+    if part.gpus_per_node and gpus == 0:
+        raise ValidationError(
+            f"--gpus-per-node=0 on {where}, whose nodes have {part.gpus_per_node} GPUs: "
+            "that would be a CPU job holding GPU nodes",
+            hint=f"use --gpus-per-node between 1 and {part.gpus_per_node}, or a CPU partition",
+        )
+
+    launcher = res.launcher
+    if launcher == "torchrun":
+        tasks = 1
+        if res.ntasks_per_node not in (None, 1):
+            raise ValidationError(
+                f"--ntasks-per-node={res.ntasks_per_node} with the torchrun launcher, which runs one task per node",
+                hint=f"drop --ntasks-per-node (torchrun starts {gpus or 1} processes per node) "
+                "or use --set resources.launcher=srun",
+            )
+    elif gpus:
+        tasks = gpus if res.ntasks_per_node is None else res.ntasks_per_node
+        if tasks != gpus:
+            raise ValidationError(
+                f"--ntasks-per-node={tasks} but --gpus-per-node={gpus}: with the {launcher} launcher each task drives one GPU",
+                hint=f"use --ntasks-per-node={gpus} or --gpus-per-node={tasks}",
+            )
+    else:
+        tasks = res.ntasks_per_node or 1
+
+    if res.cpus_per_task is not None:
+        cpus = res.cpus_per_task
+    elif gpus:
+        cpus = min(profile.cpus_per_gpu or part.cpus_per_gpu, part.cpus_per_gpu)
+        if launcher == "torchrun":
+            cpus *= gpus  # one task per node drives every GPU of it
+    else:
+        cpus = max(1, part.cpus_per_node // max(tasks, 1))
+    if gpus and cpus > part.cpus_per_gpu and launcher != "torchrun":
+        raise ValidationError(
+            f"--cpus-per-task={cpus} is more than the {part.cpus_per_gpu} cores per GPU of {where}",
+            hint=f"use --cpus-per-task={part.cpus_per_gpu} or fewer",
+        )
+    total_cpus = cpus * (tasks if launcher != "torchrun" else 1)
+    if total_cpus > part.cpus_per_node:
+        raise ValidationError(
+            f"{tasks} tasks x {cpus} CPUs per task = {total_cpus} CPUs, but {where} nodes have {part.cpus_per_node}",
+            hint=f"lower --cpus-per-task to {max(1, part.cpus_per_node // max(tasks, 1))} or --ntasks-per-node",
+        )
+
+    time_s = parse_time(res.time)
+    if time_s > part.max_time_s:
+        raise ValidationError(
+            f"--time={res.time} is above the {part.max_time} limit of {where}",
+            hint=f"use --time={part.max_time} or less; cyclone_kit checkpoints and requeues long runs",
+        )
+
+    if res.mem and part.memory_gb and parse_mem_mb(res.mem) > part.memory_gb * 1024:
+        raise ValidationError(
+            f"resources.mem={res.mem} is more than the {part.memory_gb} GB of a node of {where}",
+            hint=f"use resources.mem={part.memory_gb}G or less, or leave it out",
+        )
+
+    account = res.account or profile.account
+    return ResolvedJob(spec, profile, part, res.nodes, gpus, tasks, cpus, time_s, account)
