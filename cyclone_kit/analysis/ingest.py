@@ -1,6 +1,7 @@
 """Find ``metrics.jsonl`` files and read them into pandas tables.
 
-The training runtime writes one JSON object a line (``kind`` + ``schema``: 1): ``start``,
+The training runtime writes one JSON object a line (``kind`` + ``schema``: 2, and 1 before the step
+phases were added; both are read, a schema 1 record with the phase columns null): ``start``,
 ``step``, ``epoch`` and ``end`` records, as :mod:`cyclone_kit.rundir.contract` defines them (file
 names, field names and schema version come from there). A requeued run appends another ``start ... end``
 segment to the same file. This module turns those files into:
@@ -12,7 +13,7 @@ segment to the same file. This module turns those files into:
 
 Reading never crashes on bad data: a line that is not a JSON object with a ``kind`` is
 skipped and counted as corrupt (a truncated last line, written by a crash, is the common
-case); a record with another schema version is skipped and counted as unsupported. Each
+case); a record with a schema version not in :data:`READ_SCHEMAS` is skipped and counted as unsupported. Each
 file with skipped lines produces one :class:`MetricsWarning`.
 
 Study names: a run belongs to the study named by the nearest ``sweep.json`` in its directory
@@ -45,9 +46,13 @@ from cyclone_kit.rundir.layout import SWEEP_FILE, RunDir
 METRICS_FILENAME = contract.METRICS_FILE
 SWEEP_FILENAME = SWEEP_FILE
 SCHEMA_VERSION = contract.SCHEMA
+#: The schema versions read (schema 2 only added the step phases and the start record's timing fields).
+READ_SCHEMAS = frozenset(contract.READ_SCHEMAS)
 
-#: Fields copied from each ``step`` record into the steps table.
+#: Fields copied from each ``step`` record into the steps table (the phases null for schema 1 records).
 STEP_FIELDS = contract.STEP_FIELDS
+#: Numeric columns of the steps table.
+STEP_NUMERIC = ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_per_s", *contract.PHASE_FIELDS)
 
 #: Columns of the runs table, in order.
 RUN_COLUMNS = (
@@ -78,6 +83,8 @@ RUN_COLUMNS = (
     "cyclone_kit_version",
     "git_commit",
     "restart_count",
+    "phase_timing",
+    "comm_timing",
     "segments",
     "status",
     "complete",
@@ -120,7 +127,7 @@ class ParsedMetrics:
         step_segments: the segment index of each ``step`` record.
         epochs: every ``epoch`` record (with a ``segment`` key added).
         corrupt_lines: lines that were not a JSON object with a string ``kind``.
-        unsupported_lines: records whose ``schema`` is not :data:`SCHEMA_VERSION`.
+        unsupported_lines: records whose ``schema`` is not in :data:`READ_SCHEMAS`.
         truncated: True when the last line is cut off (corrupt and no final newline).
     """
 
@@ -188,7 +195,7 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
     """Parse the text of a ``metrics.jsonl`` file; never raises on bad lines.
 
     Records before the first ``start`` form a segment without a start record. Unknown
-    record kinds (with schema 1) are ignored, for forward compatibility.
+    record kinds (with a schema that is read) are ignored, for forward compatibility.
 
     Args:
         text: the whole file content.
@@ -210,7 +217,7 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
         if kind.__class__ is not str:
             corrupt += 1
             continue
-        if record.get("schema") != SCHEMA_VERSION:
+        if record.get("schema") not in READ_SCHEMAS:
             unsupported += 1
             continue
         if kind == "step":  # the hot path: most records are steps
@@ -376,6 +383,8 @@ def summarize_run(parsed: ParsedMetrics) -> dict[str, Any]:
         "cyclone_kit_version": versions.get("cyclone_kit"),
         "git_commit": first.get("git_commit"),
         "restart_count": max(restarts_known) if restarts_known else max(len(starts) - 1, 0),
+        "phase_timing": first.get("phase_timing"),
+        "comm_timing": first.get("comm_timing"),
         "segments": len(segments),
         "status": status,
         "complete": complete,
@@ -586,7 +595,8 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
             if parsed.corrupt_lines:
                 what.append(f"{parsed.corrupt_lines} corrupt line(s)")
             if parsed.unsupported_lines:
-                what.append(f"{parsed.unsupported_lines} record(s) with a schema other than 1")
+                what.append(f"{parsed.unsupported_lines} record(s) with a schema other than "
+                            f"{' or '.join(str(v) for v in sorted(READ_SCHEMAS))}")
             tail = " (last line truncated)" if parsed.truncated else ""
             notes.append(f"{metrics_file}: skipped {' and '.join(what)}{tail}")
         sweep = _load_sweep(run_dir.resolve(), sweep_cache, notes)
@@ -628,7 +638,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
     steps = pd.concat(step_frames, ignore_index=True) if step_frames else pd.DataFrame(columns=step_columns)
     steps = steps[step_columns]
     steps["run_dir"] = steps["run_dir"].astype("category")
-    for column in ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_per_s"):
+    for column in STEP_NUMERIC:
         steps[column] = pd.to_numeric(steps[column], errors="coerce")
 
     epochs = pd.DataFrame(epoch_rows)

@@ -1,4 +1,4 @@
-"""The metrics contract (schema 1): the one definition the runtime writes and the analysis reads.
+"""The metrics contract (schema 2): the one definition the runtime writes and the analysis reads.
 
 Torch-free and pandas-free: :mod:`cyclone_kit.runtime.metrics` (the writer),
 :mod:`cyclone_kit.analysis.ingest` (the reader) and :mod:`cyclone_kit.analysis.synthetic` (the
@@ -7,7 +7,8 @@ generator of synthetic studies) all build or read records through this module.
 Files (inside a run directory, see :class:`cyclone_kit.rundir.layout.RunDir`):
 
 * :data:`METRICS_FILE` (``metrics.jsonl``): one JSON object a line, each with ``"kind"`` and
-  ``"schema": 1``, written by rank 0 and flushed per line. A requeued or resumed run appends
+  ``"schema": 2`` (readers also take schema 1: :data:`READ_SCHEMAS`), written by rank 0 and
+  flushed per line. A requeued or resumed run appends
   another ``start ... end`` segment.
 * ``ranks/rank-NNNNN.json`` (:func:`rank_summary_name`): one summary per rank
   (:data:`RANK_SUMMARY_FIELDS`, plus ``energy_j`` on GPU runs that measured it).
@@ -17,9 +18,20 @@ Records (the fields every writer must give; a writer may add more):
 * ``start`` (:data:`START_FIELDS`): run_id, world_size, num_nodes, local_world_size,
   per_device_batch_size, global_batch_size, model, dataset, precision, strategy, launcher,
   device, device_name, hostnames, slurm_job_id, time, versions {torch, torchvision,
-  cyclone_kit}, git_commit, restart_count.
+  cyclone_kit}, git_commit, restart_count; schema 2 adds phase_timing and comm_timing
+  (:data:`START_PHASE_FIELDS`: how the step phases were timed, null when they were not).
 * ``step`` (:data:`STEP_FIELDS`): step, epoch, loss, step_time_s, data_time_s, samples_per_s
-  (global), time.
+  (global), time; schema 2 adds the phases of the step (:data:`PHASE_FIELDS`, seconds per step,
+  null where not measured): compute_time_s, comm_time_s, comm_exposed_s, other_time_s,
+  bubble_time_s. With ``data_time_s`` they split the step:
+  ``step_time_s = data_time_s + compute_time_s + comm_exposed_s + other_time_s`` (+
+  ``bubble_time_s`` for a pipeline, whose bubble is not in compute), while ``comm_time_s`` is all
+  gradient communication, hidden or not (``comm_exposed_s <= comm_time_s``). The definitions,
+  and which parts are estimates, are in :mod:`cyclone_kit.runtime.phases`. Schema 1 step
+  records carry none of these (and a script's ``data_time_s`` of 0.0 there meant "not measured").
+
+Schema 1 -> 2: only additions (the fields above); a schema 1 record is read as a schema 2 one
+with those fields null (:func:`missing_fields` checks each record against its own schema).
 * ``epoch`` (:data:`EPOCH_FIELDS`): epoch, val_accuracy (or null), epoch_time_s, time.
 * ``end`` (:data:`END_FIELDS`): status (one of :data:`STATUSES`), steps, samples_per_s (global
   steady state), wall_time_s, time.
@@ -33,7 +45,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: The schema version every record carries.
-SCHEMA = 1
+SCHEMA = 2
+#: The schema versions readers accept (2 only added fields to 1).
+READ_SCHEMAS = (1, 2)
 #: The metrics file of a run directory.
 METRICS_FILE = "metrics.jsonl"
 #: The folder of per-rank files in a run directory (summaries here; error records: cyclone_kit.rundir.failures).
@@ -51,8 +65,18 @@ START_FIELDS = (
     "model", "dataset", "precision", "strategy", "launcher", "device", "device_name", "hostnames",
     "slurm_job_id", "time", "versions", "git_commit", "restart_count",
 )
+#: Start-record fields of schema 2: ``phase_timing`` (``host-clock``, ``cuda-events`` or null: no
+#: phases) and ``comm_timing`` (``ddp-comm-hook``, ``fsdp-collectives``, ``horovod-synchronize``,
+#: ``pipeline`` or null: gradient communication not timed); values in :mod:`cyclone_kit.runtime.phases`.
+START_PHASE_FIELDS = ("phase_timing", "comm_timing")
+START_FIELDS_V1 = START_FIELDS
+START_FIELDS = (*START_FIELDS_V1, *START_PHASE_FIELDS)
 VERSION_FIELDS = ("torch", "torchvision", "cyclone_kit")
-STEP_FIELDS = ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_per_s", "time")
+#: Step-record fields of schema 1.
+STEP_FIELDS_V1 = ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_per_s", "time")
+#: The phases schema 2 adds to every step record (seconds per step; null where not measured).
+PHASE_FIELDS = ("compute_time_s", "comm_time_s", "comm_exposed_s", "other_time_s", "bubble_time_s")
+STEP_FIELDS = (*STEP_FIELDS_V1, *PHASE_FIELDS)
 EPOCH_FIELDS = ("epoch", "val_accuracy", "epoch_time_s", "time")
 END_FIELDS = ("status", "steps", "samples_per_s", "wall_time_s", "time")
 RANK_SUMMARY_FIELDS = ("rank", "host", "device", "samples_per_s", "peak_memory_bytes")
@@ -61,6 +85,9 @@ RANK_SUMMARY_OPTIONAL_FIELDS = ("energy_j",)
 #: kind -> the fields a record of that kind must carry.
 FIELDS: Mapping[str, tuple[str, ...]] = {"start": START_FIELDS, "step": STEP_FIELDS, "epoch": EPOCH_FIELDS,
                                          "end": END_FIELDS}
+#: The same for schema 1 records.
+FIELDS_V1: Mapping[str, tuple[str, ...]] = {"start": START_FIELDS_V1, "step": STEP_FIELDS_V1,
+                                            "epoch": EPOCH_FIELDS, "end": END_FIELDS}
 
 
 def rank_summary_name(rank: int) -> str:
@@ -82,21 +109,26 @@ def start_record(*, run_id: str, world_size: int, num_nodes: int, local_world_si
                  per_device_batch_size: int, global_batch_size: int, model: str, dataset: str, precision: str,
                  strategy: str, launcher: str, device: str, device_name: str | None, hostnames: Sequence[str],
                  slurm_job_id: str | None, time: str, versions: Mapping[str, str | None], git_commit: str | None,
-                 restart_count: int, **extra: Any) -> dict[str, Any]:
+                 restart_count: int, phase_timing: str | None = None, comm_timing: str | None = None,
+                 **extra: Any) -> dict[str, Any]:
     """A ``start`` record (pure); ``extra`` fields (grad_accum, lr, threads ...) follow the contract's."""
     return record("start", run_id=run_id, world_size=world_size, num_nodes=num_nodes,
                   local_world_size=local_world_size, per_device_batch_size=per_device_batch_size,
                   global_batch_size=global_batch_size, model=model, dataset=dataset, precision=precision,
                   strategy=strategy, launcher=launcher, device=device, device_name=device_name,
                   hostnames=list(hostnames), slurm_job_id=slurm_job_id, time=time, versions=dict(versions),
-                  git_commit=git_commit, restart_count=restart_count, **extra)
+                  git_commit=git_commit, restart_count=restart_count, phase_timing=phase_timing,
+                  comm_timing=comm_timing, **extra)
 
 
-def step_record(step: int, epoch: int, loss: float, step_time_s: float, data_time_s: float,
-                samples_per_s: float, time: str) -> dict[str, Any]:
-    """A ``step`` record (pure)."""
+def step_record(step: int, epoch: int | None, loss: float | None, step_time_s: float, data_time_s: float | None,
+                samples_per_s: float, time: str, *, compute_time_s: float | None = None,
+                comm_time_s: float | None = None, comm_exposed_s: float | None = None,
+                other_time_s: float | None = None, bubble_time_s: float | None = None) -> dict[str, Any]:
+    """A ``step`` record (pure); the phases (:data:`PHASE_FIELDS`) are null unless given."""
     return record("step", step=step, epoch=epoch, loss=loss, step_time_s=step_time_s, data_time_s=data_time_s,
-                  samples_per_s=samples_per_s, time=time)
+                  samples_per_s=samples_per_s, time=time, compute_time_s=compute_time_s, comm_time_s=comm_time_s,
+                  comm_exposed_s=comm_exposed_s, other_time_s=other_time_s, bubble_time_s=bubble_time_s)
 
 
 def epoch_record(epoch: int, val_accuracy: float | None, epoch_time_s: float, time: str) -> dict[str, Any]:
@@ -123,8 +155,9 @@ def rank_summary(rank: int, host: str, device: str, samples_per_s: float | None,
 
 
 def missing_fields(rec: Mapping[str, Any]) -> tuple[str, ...]:
-    """The contract fields ``rec`` lacks for its kind (empty when it conforms; pure)."""
-    required = ("kind", "schema", *FIELDS.get(str(rec.get("kind")), ()))
+    """The contract fields ``rec`` lacks for its kind and its schema (empty when it conforms; pure)."""
+    fields = FIELDS_V1 if rec.get("schema") == 1 else FIELDS
+    required = ("kind", "schema", *fields.get(str(rec.get("kind")), ()))
     return tuple(f for f in required if f not in rec)
 
 

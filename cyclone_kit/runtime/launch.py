@@ -197,7 +197,7 @@ def time_to_solution_records(start: Mapping[str, Any], end: Mapping[str, Any], s
         launcher=start["launcher"], device=_device_kind(spec),
         device_name=None, hostnames=start["hostnames"], slurm_job_id=start["slurm_job_id"], time=start["time"],
         versions={"cyclone_kit": _version()}, git_commit=None, restart_count=start["restart_count"],
-        basis=TIME_TO_SOLUTION,
+        phase_timing=None, comm_timing=None, basis=TIME_TO_SOLUTION,
     )
     status = "completed" if end["status"] == "completed" else "failed"
     tail = metrics_end(status, 0, 1.0 / wall if wall > 0 and status == "completed" else None, wall, end["time"])

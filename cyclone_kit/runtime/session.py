@@ -101,6 +101,7 @@ class Session:
             time=mx.utc_now(), versions=versions(),
             git_commit=mx.git_commit(environ.get("SLURM_SUBMIT_DIR") or os.getcwd()) if env.is_main else None,
             restart_count=env.restart_count, threads=self.threads,
+            phase_timing=None, comm_timing=None,  # a trainer that times the step phases says how
         )
 
     def begin(self, **fields: Any) -> mx.MetricsWriter:
@@ -116,15 +117,22 @@ class Session:
             self.writer.write(rec)
 
     def log_window(self, step: int, epoch: int | None, loss: float | None, steps: int, elapsed_s: float,
-                   data_s: float, global_samples: float, local_samples: float) -> float:
+                   data_s: float | None, global_samples: float, local_samples: float,
+                   phases: Mapping[str, float | None] | None = None) -> float:
         """Record a window of ``steps`` steps ending at ``step``: a ``step`` record (rank 0) and
-        the window's rates (for the end record's steady state); returns the global samples/s."""
+        the window's rates (for the end record's steady state); returns the global samples/s.
+
+        ``data_s`` is the window's data wait in seconds (None: not measured); ``phases``, when the
+        step phases were timed, the per-step figures of :mod:`cyclone_kit.runtime.phases`
+        (``data_time_s`` and the contract's ``PHASE_FIELDS``), which take precedence."""
         elapsed_s = max(elapsed_s, 1e-9)
         n = max(steps, 1)
         rate = global_samples / elapsed_s
         self.global_rates.append(rate)
         self.local_rates.append(local_samples / elapsed_s)
-        self.write(mx.step_record(step, epoch, loss, elapsed_s / n, data_s / n, rate, mx.utc_now()))
+        per_step = dict(phases or {})
+        data = per_step.pop("data_time_s", None if data_s is None else data_s / n)
+        self.write(mx.step_record(step, epoch, loss, elapsed_s / n, data, rate, mx.utc_now(), **per_step))
         return rate
 
     # ------------------------------------------------------------------ stop

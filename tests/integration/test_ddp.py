@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from cyclone_kit.rundir import contract
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.runtime.data import DEBIAN_FASHION_MNIST
 from cyclone_kit.spec.job import spec_from_dict, spec_to_dict
@@ -163,7 +164,7 @@ def test_gradient_accumulation_with_no_sync_matches_the_full_batch(pair_runs: di
 def test_two_rank_run_writes_the_metrics_contract(pair_runs: dict[str, Path]) -> None:
     run = pair_runs["two"]
     recs = records(run)
-    assert all(r["schema"] == 1 for r in recs)
+    assert all(r["schema"] == contract.SCHEMA for r in recs)
     assert next(r["kind"] for r in recs) == "start" and recs[-1]["kind"] == "end"
     start, end = recs[0], recs[-1]
     assert (start["world_size"], start["num_nodes"], start["local_world_size"]) == (2, 1, 2)

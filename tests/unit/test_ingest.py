@@ -34,7 +34,7 @@ def test_parse_counts_corrupt_unsupported_and_truncated_lines() -> None:
         + "garbage\n"  # not JSON
         + "[1, 2]\n"  # JSON, not an object
         + '{"schema": 1}\n'  # no kind
-        + '{"kind": "step", "schema": 2, "step": 2}\n'  # another schema version
+        + '{"kind": "step", "schema": 3, "step": 2}\n'  # a schema version not read
         + lines({"kind": "mystery"})  # unknown kinds are ignored, not corrupt
         + "\n   \n"  # blank lines are fine
         + '{"kind": "end", "sch'  # cut short by a crash

@@ -76,7 +76,7 @@ def test_writer_one_line_per_record_nan_as_null_and_repairs_a_cut_line(tmp_path:
     lines = path.read_text().splitlines()
     assert len(lines) == 3
     step, end = json.loads(lines[1]), json.loads(lines[2])
-    assert step["kind"] == "step" and step["schema"] == 1 and step["loss"] is None
+    assert step["kind"] == "step" and step["schema"] == mx.SCHEMA and step["loss"] is None
     assert end == {**end, "kind": "end", "status": "completed", "steps": 1}
 
 
