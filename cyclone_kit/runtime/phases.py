@@ -50,6 +50,8 @@ CUDA_EVENTS = "cuda-events"
 DDP_HOOK = "ddp-comm-hook"
 FSDP_COMMS = "fsdp-collectives"
 HOROVOD_SYNC = "horovod-synchronize"
+#: ``start.comm_timing`` of a world of one: there is no gradient communication (its fields are 0).
+NO_COMM = "none"
 
 #: Chain phases (a mark starts the phase it names).
 DATA, COMPUTE, OTHER = 0, 1, 2
@@ -267,6 +269,10 @@ class PhaseTimer:
         return result
 
     # -- communication recorders
+    def no_communication(self) -> None:
+        """A world of one: no gradient communication (``comm_time_s`` and ``comm_exposed_s`` are 0)."""
+        self.comm_timing = NO_COMM
+
     def _bucket(self, ready: Any, done: Any) -> None:
         self._w.buckets.append((ready, done))
 
@@ -351,6 +357,13 @@ class PhaseTimer:
 
         optimizer.synchronize = synchronize
         self.comm_timing = HOROVOD_SYNC
+
+
+def fsdp_modules(model: Any) -> list[Any]:
+    """Every FSDP2 unit of ``model`` (``fully_shard`` modules, the root included)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 class _TimedCollective:

@@ -36,6 +36,7 @@ from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
+from cyclone_kit.runtime import phases as ph
 from cyclone_kit.runtime import power
 from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
@@ -169,6 +170,9 @@ class Strategy:
             the gradients itself; the engine's group carries only the loss, stop flag and checkpoints).
         prepare_env: ``(env, environ, timeout_s) -> env`` before set-up (Horovod: ``hvd.init()``).
         optimizer: ``(optimizer, model, train) -> optimizer`` (Horovod's DistributedOptimizer).
+        time_comm: ``(timer, wrapped, model, optimizer) -> None`` attaching the gradient
+            communication's timing to a :class:`~cyclone_kit.runtime.phases.PhaseTimer`
+            (:mod:`cyclone_kit.runtime.phases` says how each strategy's is measured), or None.
     """
 
     wrap: Callable[[nn.Module, DeviceChoice, TrainConfig, bool], nn.Module]
@@ -177,6 +181,7 @@ class Strategy:
     pg_backend: str | None = None
     prepare_env: Callable[[DistEnv, Mapping[str, str], int], DistEnv] | None = None
     optimizer: Callable[[Any, nn.Module, TrainConfig], Any] | None = None
+    time_comm: Callable[[ph.PhaseTimer, nn.Module, nn.Module, Any], None] | None = None
 
     def __call__(self, model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
         """``wrap`` (a Strategy is called like the wrap function it carries)."""
@@ -185,11 +190,13 @@ class Strategy:
 
 #: strategy name -> its plug-in of the one loop (the pipeline has a loop of its own: runtime/engine.py).
 STRATEGIES: dict[str, Strategy] = {
-    "ddp": Strategy(_wrap_ddp),
-    "fsdp": Strategy(_wrap_fsdp, no_sync=lambda wrapped: _fsdp_no_sync(wrapped), sharded=True),
+    "ddp": Strategy(_wrap_ddp, time_comm=lambda timer, wrapped, model, opt: timer.attach_ddp(wrapped)),
+    "fsdp": Strategy(_wrap_fsdp, no_sync=lambda wrapped: _fsdp_no_sync(wrapped), sharded=True,
+                     time_comm=lambda timer, wrapped, model, opt: timer.attach_fsdp(ph.fsdp_modules(model))),
     "horovod": Strategy(lambda *args: _hvd().wrap_horovod(*args), no_sync=lambda wrapped: None, pg_backend="gloo",
                         prepare_env=lambda env, environ, timeout: _hvd().horovod_env(env, environ, timeout),
-                        optimizer=lambda opt, model, tc: _hvd().distributed_optimizer(opt, model, tc)),
+                        optimizer=lambda opt, model, tc: _hvd().distributed_optimizer(opt, model, tc),
+                        time_comm=lambda timer, wrapped, model, opt: timer.attach_horovod(opt, model.parameters())),
 }
 
 
@@ -294,6 +301,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, plan.warmup_steps, plan.total_steps))
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    timer = _phase_timer(strategy, device.kind, environ, distributed, tc.compile, wrapped, model, optimizer)
 
     step = 0
     if cc.resume:
@@ -305,7 +313,9 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
             if env.is_main:
                 print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
     launcher = session.launcher
-    if not begin_segment(session, plan, tc, precision=precision, strategy=tc.strategy, step=step):
+    if not begin_segment(session, plan, tc, precision=precision, strategy=tc.strategy, step=step,
+                         phase_timing=timer.phase_timing if timer else None,
+                         comm_timing=timer.comm_timing if timer else None):
         return "completed"
     if env.is_main:
         print(f"cyclone_kit: {tc.model} on {tc.dataset}, world {env.world_size} ({env.num_nodes} node(s), "
@@ -313,7 +323,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
               f"steps {step}->{plan.total_steps}", flush=True)
 
     loop = _Loop(spec, session, strategy, dev, data, plan, precision, model, runner, wrapped, optimizer, scheduler,
-                 scaler)
+                 scaler, timer)
     try:
         return loop.run(step)
     except BaseException:
@@ -326,8 +336,9 @@ class _Loop:
 
     def __init__(self, spec: JobSpec, session: Session, strategy: Strategy, dev: torch.device, data: Data, plan: Plan,
                  precision: str, model: nn.Module, runner: nn.Module, wrapped: nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any) -> None:
+                 optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, timer: ph.PhaseTimer | None) -> None:
         self.spec, self.tc, self.cc = spec, spec.train, spec.checkpoint
+        self.timer = timer
         self.session, self.strategy = session, strategy
         self.run_dir, self.env, self.environ = session.run_dir, session.env, session.environ
         self.device, self.dev, self.data, self.plan = session.device, dev, data, plan
@@ -345,10 +356,14 @@ class _Loop:
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
     def _step(self, batches: Any, window: _Window, loss_sum: torch.Tensor) -> torch.Tensor:
-        accum = self.plan.grad_accum
+        accum, timer = self.plan.grad_accum, self.timer
         for micro in range(accum):
             t0 = time.perf_counter()
+            if timer is not None:
+                timer.mark(ph.DATA)
             x, y = next(batches)
+            if timer is not None:
+                timer.mark(ph.COMPUTE)
             window.data_s += time.perf_counter() - t0
             sync = contextlib.nullcontext() if (micro == accum - 1 or self.no_sync is None) else self.no_sync()
             with sync:
@@ -359,9 +374,13 @@ class _Loop:
                 else:
                     loss.backward()
             loss_sum = loss_sum + loss.detach().float()
+        if timer is not None:
+            timer.backward_done()
         optimizer_step(self.optimizer, self.scaler, horovod=self.strategy.optimizer is not None)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if timer is not None:
+            timer.step_done()
         return loss_sum
 
     def run(self, start_step: int) -> str:
@@ -372,7 +391,7 @@ class _Loop:
         self._start_epoch(epoch, step)
         batches = iter(self.data.train)
         epoch_t0 = time.perf_counter()
-        window = _Window(time.perf_counter())
+        window = self._open_window()
         loss_sum = torch.zeros((), device=self.dev)
         agreed = NONE
         self.bar = _progress(env, plan.total_steps, step)
@@ -387,7 +406,7 @@ class _Loop:
             if step % tc.log_every == 0 or step == plan.total_steps:
                 self._log(step, epoch, loss_sum, window)
                 loss_sum = torch.zeros((), device=self.dev)
-                window = _Window(time.perf_counter())
+                window = self._open_window()
             agreed = session.poll(step)
             if agreed != NONE:
                 break
@@ -412,6 +431,11 @@ class _Loop:
                     energy_j=self.energy.stop() if self.energy is not None else None)
         return status
 
+    def _open_window(self) -> _Window:
+        if self.timer is not None:
+            self.timer.open()
+        return _Window(time.perf_counter())
+
     def _start_epoch(self, epoch: int, step: int) -> None:
         within = step - epoch * self.plan.steps_per_epoch
         self.data.train.set_epoch(epoch, within * self.plan.grad_accum)
@@ -429,9 +453,10 @@ class _Loop:
             loss = loss / self.env.world_size
         value = float(loss.item())  # the only host sync: once per log window
         elapsed = max(time.perf_counter() - window.start, 1e-9)
+        phases = self.timer.close().fields() if self.timer is not None else None  # CUDA events read after the sync
         n = window.steps
         global_rate = self.session.log_window(step, epoch, value, n, elapsed, window.data_s, self.plan.global_batch * n,
-                                              self.plan.per_device_batch * self.plan.grad_accum * n)
+                                              self.plan.per_device_batch * self.plan.grad_accum * n, phases=phases)
         if self.env.is_main:
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{global_rate:.0f}")
@@ -531,6 +556,24 @@ class _Loop:
 
 
 # --------------------------------------------------------------------------- helpers
+def _phase_timer(strategy: Strategy, device_kind: str, environ: Mapping[str, str], distributed: bool,
+                 compiled: bool, wrapped: nn.Module, model: nn.Module, optimizer: Any) -> ph.PhaseTimer | None:
+    """The step phases' timer (None when ``$CYCLONE_PHASES=0``), its communication recorder attached.
+
+    A world of one has no gradient communication (``comm_timing`` ``none``: 0 s); under
+    torch.compile the communication is not timed (``comm_timing`` null: compiled DDP splits the
+    graph at buckets and the Python hook would be traced).
+    """
+    if not ph.enabled(environ):
+        return None
+    timer = ph.PhaseTimer(ph.clock_for(device_kind))
+    if not distributed:
+        timer.no_communication()
+    elif strategy.time_comm is not None and not compiled:
+        strategy.time_comm(timer, wrapped, model, optimizer)
+    return timer
+
+
 def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              scaler: Any, env: DistEnv, sharded: bool = False, folder: Path | None = None) -> int:
     fqn = state.get("optimizer_format") == "fqn"
