@@ -4,6 +4,7 @@ The public API for user scripts (:mod:`cyclone_kit.api`) is re-exported here::
 
     import cyclone_kit as ck
     ctx = ck.init()
+    loader = ck.instrument(model=ddp_model, loader=loader)   # optional: the phases of every step
     state = ck.load_checkpoint()
     ck.log_step(step, samples=global_batch, loss=loss)
     if ck.stop_requested():
@@ -20,8 +21,8 @@ from __future__ import annotations
 from cyclone_kit.core.version import __version__
 
 #: The names ``cyclone_kit`` re-exports from :mod:`cyclone_kit.api` on first use.
-API_NAMES = ("init", "load_checkpoint", "log_step", "stop_requested", "save_checkpoint", "finish", "Context",
-             "ApiUsageError")
+API_NAMES = ("init", "instrument", "load_checkpoint", "log_step", "stop_requested", "save_checkpoint", "finish",
+             "Context", "ApiUsageError")
 __all__ = ["__version__", *API_NAMES]
 
 

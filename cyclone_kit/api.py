@@ -14,6 +14,12 @@
             break
     ck.finish()                        # end record (completed | preempted), requeue when preempted, teardown
 
+Opt-in: ``loader = ck.instrument(model=ddp_model, loader=loader, optimizer=optimizer)`` before the
+loop gives every ``step`` record the phases of the step (data wait, compute, gradient
+communication total and exposed, the rest: :mod:`cyclone_kit.runtime.phases`), as the built-in
+engine writes them. Without it the records carry the step time only, and the report says what it
+cannot break down.
+
 Where things go: the run directory is ``ck.init(run_dir=...)``, else ``$CYCLONE_RUN_DIR`` (set by
 ``cyclone-kit run/submit`` and the sbatch templates), else a new ``./runs/<script>-<stamp>``
 (created by rank 0). Its ``spec.json``, when there is one, supplies ``[checkpoint]`` (keep,
@@ -43,8 +49,8 @@ from typing import Any
 
 from cyclone_kit.core.errors import CycloneError, ValidationError
 
-__all__ = ["ApiUsageError", "Context", "finish", "init", "load_checkpoint", "log_step", "save_checkpoint",
-           "stop_requested"]
+__all__ = ["ApiUsageError", "Context", "finish", "init", "instrument", "load_checkpoint", "log_step",
+           "save_checkpoint", "stop_requested"]
 
 #: ``train.log_every`` when neither the call, the environment nor the run's spec says otherwise.
 DEFAULT_LOG_EVERY = 10
@@ -100,6 +106,8 @@ class _Run:
         self.window_steps = 0
         self.window_samples = 0.0
         self.window_losses: list[Any] = []
+        self.timer: Any = None  # ck.instrument's PhaseTimer
+        self.data_timed = False  # ck.instrument was given the loader
         from cyclone_kit.runtime import power
 
         self.energy = power.start_meter(ctx.device)  # GPU energy for the rank summary (NVML), else None
@@ -115,17 +123,25 @@ class _Run:
             "model": _script_name(), "dataset": None, "precision": None, "strategy": "script",
             "start_step": self.start_step, "api": True, "script": sys.argv[0] if sys.argv else None,
         }
+        if self.timer is not None:
+            fields.update(phase_timing=self.timer.phase_timing, comm_timing=self.timer.comm_timing)
         fields.update(self.info)
         self.session.begin(**fields)
 
     def flush_window(self, step: int) -> None:
         if not self.window_steps:
             return
+        loss = _mean_loss(self.window_losses) if self.ctx.is_main else None  # (a tensor loss: the window's sync)
         now = time.perf_counter()
-        loss = _mean_loss(self.window_losses) if self.ctx.is_main else None
+        phases = None
+        if self.timer is not None:
+            phases = self.timer.close().fields()  # CUDA events: read after the sync above
+            self.timer.open()
+            if not self.data_timed:
+                phases["data_time_s"] = None  # no loader given: data loading is inside other_time_s
         samples = self.window_samples
-        self.session.log_window(step, None, loss, self.window_steps, now - self.window_t0, 0.0, samples,
-                                samples / self.ctx.world_size)
+        self.session.log_window(step, None, loss, self.window_steps, now - self.window_t0, None, samples,
+                                samples / self.ctx.world_size, phases=phases)
         self.window_t0, self.window_steps, self.window_samples = now, 0, 0.0
         self.window_losses = []
 
@@ -250,8 +266,57 @@ def log_step(step: int, samples: float | None = None, loss: Any = None) -> None:
         run.window_samples += samples
     if loss is not None and run.ctx.is_main:
         run.window_losses.append(loss.detach() if hasattr(loss, "detach") else loss)
+    if run.timer is not None:
+        run.timer.script_step_done()
     if step % run.log_every == 0:
         run.flush_window(step)
+
+
+def instrument(model: Any = None, loader: Any = None, optimizer: Any = None) -> Any:
+    """Time the phases of every step of this script, as the built-in engine does (opt-in).
+
+    Call once on every rank after :func:`init` and before the first :func:`log_step`. Each
+    ``step`` record then carries the step's data wait, compute, gradient communication (total and
+    the part not hidden behind backward) and the rest (:mod:`cyclone_kit.runtime.phases` defines
+    them; host clock on the CPU, CUDA events read once per window on GPUs). What is timed:
+
+    * ``model``: a ``DistributedDataParallel`` model gets a comm hook wrapping the default
+      all-reduce that times every bucket (so do not register another hook); an FSDP2 model its
+      all-gathers and reduce-scatters; its first forward of a step starts the compute phase.
+    * ``loader``: the returned wrapper times every ``next()`` as data wait (iterate the wrapper;
+      other attributes are the loader's). Without it data loading counts as ``other_time_s`` and
+      ``data_time_s`` is null.
+    * ``optimizer``: its ``step()`` ends the compute phase (else :func:`log_step` does).
+
+    Returns:
+        The timed loader to iterate, or None when no ``loader`` is given.
+
+    Raises:
+        ApiUsageError: called twice, after the first :func:`log_step`, with nothing to time, or on
+            a DDP model that already has a comm hook.
+    """
+    run = _require("instrument")
+    if run.timer is not None:
+        raise ApiUsageError("ck.instrument() was called twice", hint="call it once, before the training loop")
+    if run.started:
+        raise ApiUsageError("ck.instrument() after the first ck.log_step()",
+                            hint="call ck.instrument(model=..., loader=...) before the training loop")
+    if model is None and loader is None and optimizer is None:
+        raise ApiUsageError("ck.instrument() was given nothing to time",
+                            hint="pass model=ddp_model and loader=train_loader (optimizer= too, if you like)")
+    from cyclone_kit.runtime import phases
+
+    timer = phases.PhaseTimer(phases.clock_for(run.ctx.device.type))
+    try:
+        wrapped = phases.instrument_script(timer, model, loader, optimizer, distributed=run.ctx.world_size > 1)
+    except RuntimeError as e:
+        raise ApiUsageError(f"ck.instrument(model=...) could not register its DDP comm hook ({e})",
+                            hint="leave out model= or remove your own register_comm_hook call") from None
+    run.timer, run.data_timed = timer, loader is not None
+    if not run.window_steps:
+        run.window_t0 = time.perf_counter()  # the first window starts here, with the timer
+    timer.open()
+    return wrapped
 
 
 def stop_requested() -> bool:

@@ -2,10 +2,12 @@
 
 The same plain PyTorch DDP script with a few ``ck.*`` lines added (the README shows them as a
 diff): ``ck.init()`` joins the process group from whatever started the script (srun, torchrun,
-the local launcher, or nothing: a world of one), ``ck.log_step`` writes the metrics contract
-that ``cyclone-kit report`` reads, ``ck.stop_requested()`` turns Slurm's wall-time signal into a
-checkpoint after the same step on every rank, and ``ck.finish()`` requeues the job, which
-resumes from ``ck.load_checkpoint()`` with every step done exactly once. Run it with
+the local launcher, or nothing: a world of one), ``ck.instrument`` times where each step's time
+goes (compute, the all-reduce and the part of it not hidden behind backward, the rest),
+``ck.log_step`` writes the metrics contract that ``cyclone-kit report`` reads,
+``ck.stop_requested()`` turns Slurm's wall-time signal into a checkpoint after the same step on
+every rank, and ``ck.finish()`` requeues the job, which resumes from ``ck.load_checkpoint()``
+with every step done exactly once. Run it with
 
     python examples/ddp_ck.py --steps 50
     torchrun --nproc_per_node 2 examples/ddp_ck.py --steps 50
@@ -49,6 +51,7 @@ def main() -> None:
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, args.width), nn.ReLU(), nn.Linear(args.width, 10))
     model = DistributedDataParallel(model.to(device), device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    ck.instrument(model=model, optimizer=optimizer)  # each step record: compute, all-reduce (exposed), rest
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
     images = torch.randn(args.batch_size, 3, 32, 32, generator=generator).to(device)
     labels = torch.randint(0, 10, (args.batch_size,), generator=generator).to(device)

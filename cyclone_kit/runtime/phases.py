@@ -220,6 +220,7 @@ class PhaseTimer:
         self.clock = clock
         self.comm_timing: str | None = None
         self.exposed_measured = True
+        self.phase = OTHER  # the phase the last mark started
         self._w = _Window()
 
     @property
@@ -232,10 +233,12 @@ class PhaseTimer:
         """Start a window (its first phase is OTHER until the first step's data mark)."""
         self._w = _Window()
         self._w.chain.append((OTHER, self.clock.mark()))
+        self.phase = OTHER
 
     def mark(self, phase: int) -> None:
         """Start ``phase`` now (ends the one before)."""
         self._w.chain.append((phase, self.clock.mark()))
+        self.phase = phase
 
     def backward_done(self) -> None:
         """The step's last backward returned: its DDP buckets are closed with this end."""
@@ -246,7 +249,15 @@ class PhaseTimer:
 
     def step_done(self) -> None:
         """The optimizer step is done: the rest of the step is OTHER."""
-        self._w.chain.append((OTHER, self.clock.mark()))
+        self.mark(OTHER)
+        self._w.steps += 1
+
+    def script_step_done(self) -> None:
+        """A user script's step ended (``ck.log_step``): its buckets closed, compute ended unless
+        the optimizer's hook ended it already, the step counted."""
+        self.backward_done()
+        if self.phase == COMPUTE:
+            self.mark(OTHER)
         self._w.steps += 1
 
     def close(self) -> Phases:
@@ -393,6 +404,47 @@ class _TimedCollective:
         else:
             work.get_future().then(lambda f: timer._comm(t0, clock.mark(), blocked=False))
         return work
+
+
+# --------------------------------------------------------------------------- user scripts
+def instrument_script(timer: PhaseTimer, model: Any = None, loader: Any = None, optimizer: Any = None,
+                      distributed: bool = True) -> TimedLoader | None:
+    """Attach ``timer`` to a user's model, loader and optimizer (``ck.instrument``'s work).
+
+    Compute starts at the batch's arrival from ``loader`` or at the model's first forward of the
+    step (a forward pre-hook), whichever comes first; it ends at the optimizer's step (a step
+    post-hook) when ``optimizer`` is given, else at ``ck.log_step``. A DDP model's buckets are timed
+    by :meth:`PhaseTimer.attach_ddp`, an FSDP2 model's collectives by :meth:`PhaseTimer.attach_fsdp`;
+    any other model (or a world of one) has no gradient communication to time. Returns the timed
+    loader to iterate (None without ``loader``).
+
+    Raises:
+        RuntimeError: the DDP model already has a comm hook.
+    """
+    if model is not None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel) and distributed:
+            timer.attach_ddp(model)
+        elif isinstance(model, FSDPModule) and distributed:
+            timer.attach_fsdp(fsdp_modules(model))
+        elif not distributed:
+            timer.no_communication()
+
+        def forward_started(_module: Any, _args: Any) -> None:
+            if timer.phase != COMPUTE:
+                timer.mark(COMPUTE)
+
+        model.register_forward_pre_hook(forward_started)
+    elif not distributed:
+        timer.no_communication()
+    if optimizer is not None:
+        optimizer.register_step_pre_hook(lambda *_: timer.backward_done())
+        optimizer.register_step_post_hook(lambda *_: timer.mark(OTHER))
+    if loader is None:
+        return None
+    return TimedLoader(loader, lambda: timer.mark(DATA), lambda: timer.mark(COMPUTE))
 
 
 # --------------------------------------------------------------------------- loaders
