@@ -248,8 +248,9 @@ def run_interleaved(work: Workload, tmp: Path, tag: str, *, nproc: int = 2, othe
     """Run the cyclone_kit launcher and a reference with ``nproc`` ranks each at once, but never at
     the same time: every ``slice_s`` one side is frozen with SIGSTOP and the other thawed with SIGCONT.
 
-    ``other`` is ``"plain"`` (bench/plain_ddp.py ranks started here) or ``"torchrun"`` (the same
-    script under ``torchrun --standalone``). Each side's throughput is the samples of its
+    ``other`` is ``"plain"`` (bench/plain_ddp.py ranks started here), ``"torchrun"`` (the same
+    script under ``torchrun --standalone``) or ``"untimed"`` (the same cyclone_kit command with the
+    step-phase timing off, ``CYCLONE_PHASES=0``: the timing's own cost). Each side's throughput is the samples of its
     steady-state windows divided by the time it was running inside them, so both see the same
     minutes of the machine, sliced finely: slow drifts of a shared host (identical runs here differ
     by up to 10% minutes apart) hit both alike, which separate runs in sequence cannot promise.
@@ -259,6 +260,7 @@ def run_interleaved(work: Workload, tmp: Path, tag: str, *, nproc: int = 2, othe
     spec = tmp / f"{tag}.toml"
     spec.write_text(work.spec_toml(tag), encoding="utf-8")
     runs = tmp / f"runs-{tag}"
+    runs_b = tmp / f"runs-{tag}-untimed"
     out = tmp / f"{tag}.json"
     env = bench_env()
     script = [str(PLAIN), *work.plain_args(), "--out", str(out)]
@@ -266,7 +268,10 @@ def run_interleaved(work: Workload, tmp: Path, tag: str, *, nproc: int = 2, othe
     ours = _popen([sys.executable, "-m", "cyclone_kit", "run", str(spec), "--nproc", str(nproc), "--threads", "1",
                    "--runs-dir", str(runs), "--quiet", "--cpu"], env)
     launched["other"] = time.time()
-    if other == "torchrun":
+    if other == "untimed":
+        refs = [_popen([sys.executable, "-m", "cyclone_kit", "run", str(spec), "--nproc", str(nproc), "--threads", "1",
+                        "--runs-dir", str(runs_b), "--quiet", "--cpu"], {**env, "CYCLONE_PHASES": "0"})]
+    elif other == "torchrun":
         refs = [_popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                         *script], env)]
     elif nproc == 1:
@@ -315,10 +320,18 @@ def run_interleaved(work: Workload, tmp: Path, tag: str, *, nproc: int = 2, othe
     a0, a1, a_n = steady_bounds_runtime(run_dir) or (0.0, 0.0, 0)
     _, a_loop, _ = read_runtime_metrics(run_dir)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    result = json.loads(out.read_text(encoding="utf-8"))
-    ends = result["window_end_unix"]
-    b0, b1 = ends[0], ends[-1]
-    b_n = (result["steps"] - work.log_every) * work.batch * nproc
+    if other == "untimed":
+        run_b = next(runs_b.iterdir())
+        b0, b1, b_n = steady_bounds_runtime(run_b) or (0.0, 0.0, 0)
+        _, b_loop, b_rates = read_runtime_metrics(run_b)
+        shutil.rmtree(run_b / "checkpoints", ignore_errors=True)
+        result = {"loop_start_unix": b_loop}
+        ends = b_rates
+    else:
+        result = json.loads(out.read_text(encoding="utf-8"))
+        ends = result["window_end_unix"]
+        b0, b1 = ends[0], ends[-1]
+        b_n = (result["steps"] - work.log_every) * work.batch * nproc
     t_a, t_b = _active_time(running["ours"], a0, a1), _active_time(running["other"], b0, b1)
     if not (a_n and t_a > 0 and t_b > 0):
         raise RuntimeError(f"interleaved run {tag}: no steady-state window to measure")

@@ -1,7 +1,8 @@
 """Run every benchmark, print each figure with its target and MET/MISSED, rewrite bench/RESULTS.md.
 
 ``make bench`` runs ``.venv/bin/python bench/run_all.py``. Benchmarks (each in its own process,
-one after the other, output streamed as it comes): cli_latency, analysis, overhead, scaling_cpu, script_shim, api_cost.
+one after the other, output streamed as it comes): cli_latency, analysis, overhead, phases_overhead, scaling_cpu,
+script_shim, api_cost.
 bench/gpu_check.sh needs an NVIDIA GPU and is not run here; the GPU section and the notes section
 of RESULTS.md (between the ``gpu-check`` / ``notes`` markers) are kept as they are when the file
 is rewritten.
@@ -68,6 +69,7 @@ def commands(is_quick: bool) -> dict[str, list[str]]:
         cli = [py, str(BENCH / "cli_latency.py")]
         analysis = [py, str(BENCH / "analysis.py")]
     return {"cli_latency": cli, "analysis": analysis, "overhead": [py, str(BENCH / "overhead.py")],
+            "phases_overhead": [py, str(BENCH / "phases_overhead.py")],
             "scaling_cpu": [py, str(BENCH / "scaling_cpu.py")], "script_shim": [py, str(BENCH / "script_shim.py")],
             "api_cost": [py, str(BENCH / "api_cost.py")]}
 
@@ -135,6 +137,18 @@ def parse(name: str, output: str) -> list[Figure]:
                 lo, hi = j["ci95"]
                 figs.append(Figure(name, "ratio: mean of the pairs and its 95% interval (the noise floor)",
                                    f"{j['mean']:.3f} ({lo:.3f}-{hi:.3f})", "", "INFO"))
+    elif name == "phases_overhead":
+        j = _json(output)
+        if j:
+            figs.append(Figure(name, f"step-phase timing: throughput timed / CYCLONE_PHASES=0 ({j['workload']}; per "
+                               f"pair: {', '.join(f'{r:.3f}' for r in j['ratios'])})", f"{j['ratio']:.3f}",
+                               f">= {j['target']} (cost <= 1% of a step)", _v(j["met"])))
+            ph = j.get("phases_ms") or {}
+            if ph:
+                figs.append(Figure(name, "the timed side's median step: data + compute + exposed comm (of total) + other",
+                                   f"{ph['step_time_s']:.1f} ms = {ph['data_time_s']:.2f} + {ph['compute_time_s']:.1f} + "
+                                   f"{ph['comm_exposed_s']:.1f} ({ph['comm_time_s']:.1f}) + {ph['other_time_s']:.2f} "
+                                   f"ms (sum/step {ph['sum_ratio']:.4f})", "", "INFO"))
     elif name == "scaling_cpu":
         j = _json(output)
         if j:
@@ -219,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the selected benchmarks, print the summary, rewrite the results file."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", action="append",
-                   choices=["cli_latency", "analysis", "overhead", "scaling_cpu", "script_shim", "api_cost"])
+                   choices=["cli_latency", "analysis", "overhead", "phases_overhead", "scaling_cpu", "script_shim",
+                            "api_cost"])
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md")
     p.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")
     args = p.parse_args(argv)

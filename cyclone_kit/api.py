@@ -231,6 +231,8 @@ def load_checkpoint(map_location: Any = "cpu") -> dict[str, Any] | None:
     step = int(state["step"])
     run.start_step = step
     run.window_t0 = time.perf_counter()  # the first window times steps, not the load
+    if run.timer is not None:
+        run.timer.open()  # (ck.instrument's window too)
     if run.ctx.is_main:
         print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
     if USER_STATE in state:
@@ -306,7 +308,7 @@ def instrument(model: Any = None, loader: Any = None, optimizer: Any = None) -> 
                             hint="pass model=ddp_model and loader=train_loader (optimizer= too, if you like)")
     from cyclone_kit.runtime import phases
 
-    timer = phases.PhaseTimer(phases.clock_for(run.ctx.device.type))
+    timer = phases.PhaseTimer(phases.clock_for(run.ctx.device))
     try:
         wrapped = phases.instrument_script(timer, model, loader, optimizer, distributed=run.ctx.world_size > 1)
     except RuntimeError as e:

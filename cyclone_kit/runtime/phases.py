@@ -82,21 +82,30 @@ class HostClock:
 
 
 class CudaClock:
-    """Marks are CUDA timing events recorded on the current stream, pooled and reused."""
+    """Marks are CUDA timing events recorded on ``device``'s current stream, pooled and reused.
+
+    The current stream is the one doing the work at the mark: the compute stream in the loop, the
+    autograd stream in DDP's comm hook, in a collective's ``then`` callback the stream torch makes
+    wait for the collective (so that event completes when the collective does), FSDP's all-gather or
+    reduce-scatter stream around its collectives. The device is named explicitly: a callback's
+    thread may have another current device.
+    """
 
     kind = CUDA_EVENTS
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
         import torch
 
-        self._event = lambda: torch.cuda.Event(enable_timing=True)
+        self._torch = torch
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self._free: list[Any] = []
         self._used: list[Any] = []
 
     def mark(self) -> Any:
-        """Record an event on the current stream (no sync)."""
-        ev = self._free.pop() if self._free else self._event()
-        ev.record()
+        """Record an event on the current stream of the device (no sync)."""
+        torch = self._torch
+        ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
         self._used.append(ev)
         return ev
 
@@ -112,9 +121,12 @@ class CudaClock:
         self._used.clear()
 
 
-def clock_for(device_kind: str) -> HostClock | CudaClock:
-    """CUDA events on a GPU, the host clock otherwise."""
-    return CudaClock() if device_kind == "cuda" else HostClock()
+def clock_for(device: Any) -> HostClock | CudaClock:
+    """CUDA events on a GPU (``device``: a ``torch.device`` or its name), the host clock otherwise."""
+    import torch
+
+    device = torch.device(device)
+    return CudaClock(device) if device.type == "cuda" else HostClock()
 
 
 # --------------------------------------------------------------------------- pure maths

@@ -301,7 +301,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, plan.warmup_steps, plan.total_steps))
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    timer = _phase_timer(strategy, device.kind, environ, distributed, tc.compile, wrapped, model, optimizer)
+    timer = _phase_timer(strategy, dev, environ, distributed, tc.compile, wrapped, model, optimizer)
 
     step = 0
     if cc.resume:
@@ -556,7 +556,7 @@ class _Loop:
 
 
 # --------------------------------------------------------------------------- helpers
-def _phase_timer(strategy: Strategy, device_kind: str, environ: Mapping[str, str], distributed: bool,
+def _phase_timer(strategy: Strategy, dev: torch.device, environ: Mapping[str, str], distributed: bool,
                  compiled: bool, wrapped: nn.Module, model: nn.Module, optimizer: Any) -> ph.PhaseTimer | None:
     """The step phases' timer (None when ``$CYCLONE_PHASES=0``), its communication recorder attached.
 
@@ -566,7 +566,7 @@ def _phase_timer(strategy: Strategy, device_kind: str, environ: Mapping[str, str
     """
     if not ph.enabled(environ):
         return None
-    timer = ph.PhaseTimer(ph.clock_for(device_kind))
+    timer = ph.PhaseTimer(ph.clock_for(dev))
     if not distributed:
         timer.no_communication()
     elif strategy.time_comm is not None and not compiled:

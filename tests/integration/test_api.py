@@ -28,7 +28,7 @@ import pytest
 
 from cyclone_kit.backends.local import clean_environment
 from cyclone_kit.runtime import checkpoint as ckpt
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, assert_phases_add_up, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -114,6 +114,10 @@ def test_ddp_ck_without_any_launcher_runs_as_world_one(tmp_path: Path) -> None:
     assert (end["kind"], end["status"], end["steps"]) == ("end", "completed", 12)
     assert json.loads((run_dir / "ranks" / "rank-00000.json").read_text())["device"] == "cpu"
     assert "completed at step 12" in result.stdout
+    # ck.instrument(model=, optimizer=) in a world of one: no gradient communication; no loader: data not timed.
+    assert (start["phase_timing"], start["comm_timing"]) == ("host-clock", "none")
+    assert all(s["data_time_s"] is None for s in steps)
+    assert_phases_add_up([{**s, "data_time_s": 0.0} for s in steps], communication=False)
 
 
 def test_two_ranks_write_the_contract_that_report_reads(tmp_path: Path) -> None:
@@ -123,6 +127,9 @@ def test_two_ranks_write_the_contract_that_report_reads(tmp_path: Path) -> None:
     assert (start["world_size"], start["per_device_batch_size"], start["global_batch_size"]) == (2, 32, 64)
     assert start["launcher"] == "local" and start["strategy"] == "script" and start["model"] == "ddp_ck"
     assert [s["step"] for s in records(run_dir, "step")] == [5, 10, 15, 20]
+    # ck.instrument's comm hook on ddp_ck.py's DDP model: every bucket's all-reduce timed.
+    assert (start["phase_timing"], start["comm_timing"]) == ("host-clock", "ddp-comm-hook")
+    assert_phases_add_up([{**s, "data_time_s": 0.0} for s in records(run_dir, "step")], communication=True)
     (end,) = records(run_dir, "end")
     assert end["status"] == "completed" and end["steps"] == 20 and end["samples_per_s"] > 0
     assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == ["rank-00000.json", "rank-00001.json"]
@@ -212,6 +219,8 @@ def test_requeue_signal_stops_every_rank_at_one_step_and_the_run_resumes_exactly
                  id="init-twice"),
     pytest.param("ck.init()\nck.finish()\nck.stop_requested()",
                  "error: ck.stop_requested() after ck.finish() HINT: call ck.finish() last", id="after-finish"),
+    pytest.param("ck.init()\nck.log_step(1)\nck.instrument(loader=[1])",
+                 "error: ck.instrument() after the first ck.log_step() HINT:", id="instrument-late"),
     pytest.param("ck.init()\nck.log_step(3)\nck.log_step(2)",
                  "error: ck.log_step(step=2) after step 3: steps must increase HINT:", id="step-backwards"),
 ])
@@ -220,6 +229,42 @@ def test_a_call_out_of_order_fails_in_one_line_with_exit_2(tmp_path: Path, body:
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), result.stderr
+
+
+def test_instrument_times_the_loader_the_forward_and_the_optimizer_of_a_script(tmp_path: Path) -> None:
+    """A world of one with a DataLoader whose dataset sleeps in __getitem__: the data wait shows as
+    data_time_s, the rest of the step splits into compute (forward to optimizer step) and other."""
+    run_dir = make_run_dir(tmp_path / "run", {"train": {"log_every": 4}})
+    result = run_script(tmp_path, """
+        import time
+        import torch
+        import cyclone_kit as ck
+
+        class Slow(torch.utils.data.Dataset):
+            def __len__(self):
+                return 64
+            def __getitem__(self, i):
+                time.sleep(0.002)
+                return torch.randn(32), i % 4
+
+        ck.init()
+        model = torch.nn.Linear(32, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = ck.instrument(model=model, optimizer=opt,
+                               loader=torch.utils.data.DataLoader(Slow(), batch_size=8))
+        for step, (x, y) in enumerate(loader, 1):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ck.log_step(step, samples=8, loss=loss)
+        ck.finish()
+    """, run_dir=run_dir)
+    assert result.returncode == 0, result.stderr
+    steps = records(run_dir, "step")
+    assert [s["step"] for s in steps] == [4, 8]
+    assert_phases_add_up(steps, communication=False)
+    assert all(s["data_time_s"] >= 8 * 0.002 for s in steps)  # 8 samples, each sleeping 2 ms, per step
 
 
 def test_an_exception_in_the_script_writes_the_failed_end_and_error_records(tmp_path: Path) -> None:
@@ -253,6 +298,11 @@ def test_checkpoints_rotate_as_the_spec_says_and_a_torn_one_is_skipped(tmp_path:
     assert result.returncode == 0, result.stderr
     assert "world 1 0 True cpu" in result.stdout
     assert [s for s, _ in ckpt.list_checkpoints(run_dir / "checkpoints")] == [3, 2]
+    # No ck.instrument: the step records say the phases were not measured (null), not 0.
+    assert records(run_dir, "start")[0]["phase_timing"] is None
+    (step,) = records(run_dir, "step")
+    assert step["data_time_s"] is None and all(step[k] is None for k in ("compute_time_s", "comm_time_s",
+                                                                           "comm_exposed_s", "other_time_s"))
     (run_dir / "checkpoints" / "ckpt-000000009.pt").write_bytes(b"torn")
     result = run_script(tmp_path, """
         import cyclone_kit as ck

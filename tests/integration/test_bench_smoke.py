@@ -41,6 +41,7 @@ def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_sect
     for pattern in (r"cli_latency\s+`--help` median", r"cli_latency\s+`submit --nodes 4 --dry-run`",
                     r"cli_latency\s+`profiles`", r"analysis\s+report on the synthetic study: wall time",
                     r"analysis\s+report: peak memory", r"overhead\s+ratio runtime / plain .*: \d+\.\d{3}",
+                    r"phases_overhead\s+step-phase timing: throughput timed / CYCLONE_PHASES=0 .*: \d\.\d{3}",
                     r"scaling_cpu\s+2-rank efficiency, cyclone_kit .*: \d\.\d{3}",
                     r"scaling_cpu\s+2-rank efficiency, torchrun",
                     r"scaling_cpu\s+process start to first step, 2 ranks, cyclone_kit: \d+\.\d\d s"):

@@ -33,7 +33,8 @@ START_TO_RUNS = {
     "per_device_batch_size": "per_device_batch_size", "global_batch_size": "global_batch_size", "model": "model",
     "dataset": "dataset", "precision": "precision", "strategy": "strategy", "launcher": "launcher",
     "device": "device", "device_name": "device_name", "slurm_job_id": "slurm_job_id", "time": "start_time",
-    "git_commit": "git_commit", "restart_count": "restart_count",
+    "git_commit": "git_commit", "restart_count": "restart_count", "phase_timing": "phase_timing",
+    "comm_timing": "comm_timing",
 }
 
 
@@ -91,6 +92,9 @@ def test_what_the_runtime_writes_is_what_the_analysis_reads(real_run: RunDir) ->
     steps = [r for r in records if r["kind"] == "step"]
     read_steps = data.steps.to_dict("records")
     assert len(read_steps) == len(steps) > 0
+    # The step phases are measured here (2 DDP ranks on the host clock), so the comparison below holds values.
+    assert (start["phase_timing"], start["comm_timing"]) == ("host-clock", "ddp-comm-hook")
+    assert all(r[f] is not None for r in steps for f in contract.PHASE_FIELDS if f != "bubble_time_s")
     for written, read in zip(steps, read_steps, strict=True):
         assert all(_same(written[f], read[f]) for f in contract.STEP_FIELDS), (written, read)
 

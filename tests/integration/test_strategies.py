@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cyclone_kit.runtime import checkpoint as ck
+from tests.conftest import assert_phases_add_up
 from tests.integration.test_ddp import final_params, finish, records, run_ranks, start_ranks, write_spec
 
 #: Hang guard (not a performance bound) for the module's reference runs: 6 ranks at once on 2 cores
@@ -57,6 +58,20 @@ def test_fsdp_and_ddp_reach_the_same_loss(runs: dict[str, Path]) -> None:
     assert set(p_ddp) == set(p_fsdp)  # the FSDP checkpoint holds full, unsharded tensors by the same names
     for name in p_ddp:
         torch.testing.assert_close(p_fsdp[name], p_ddp[name], rtol=1e-3, atol=1e-4, msg=f"parameter {name}")
+
+
+@pytest.mark.parametrize(("strategy", "comm_timing"), [("ddp", "ddp-comm-hook"), ("fsdp", "fsdp-collectives")])
+def test_the_phases_of_every_step_sum_to_its_step_time(runs: dict[str, Path], strategy: str, comm_timing: str) -> None:
+    """Host clock, 2 gloo ranks: data + compute + exposed all-reduce (DDP buckets; FSDP's all-gathers
+    and reduce-scatters) + the rest = the step time within 5%, windows with a checkpoint or validation included."""
+    start = records(runs[strategy], "start")[0]
+    assert (start["phase_timing"], start["comm_timing"]) == ("host-clock", comm_timing)
+    steps = records(runs[strategy], "step")
+    assert_phases_add_up(steps, communication=True)
+    med = sorted(steps, key=lambda r: r["step_time_s"])[len(steps) // 2]
+    print(f"{strategy}: median step {1e3 * med['step_time_s']:.1f} ms = data {1e3 * med['data_time_s']:.2f} + compute "
+          f"{1e3 * med['compute_time_s']:.1f} + exposed comm {1e3 * med['comm_exposed_s']:.1f} (of "
+          f"{1e3 * med['comm_time_s']:.1f}) + other {1e3 * med['other_time_s']:.2f} ms")
 
 
 def test_fsdp_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str, Path], tmp_path: Path) -> None:
@@ -304,6 +319,8 @@ def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Pa
     start, end = records(run, "start")[0], records(run, "end")[-1]
     assert (start["strategy"], start["world_size"], start["launcher"]) == ("horovod", 2, "horovodrun"), out[-2000:]
     assert end["status"] == "completed" and end["steps"] == 12
+    assert (start["phase_timing"], start["comm_timing"]) == ("host-clock", "horovod-synchronize")
+    assert_phases_add_up(records(run, "step"), communication=True)  # exposed: blocked in synchronize()
     assert sorted(p.name for p in (run / "ranks").iterdir()) == ["rank-00000.json", "rank-00001.json"]
     p_ddp, p_hvd = final_params(runs["ddp"]), final_params(run)
     for name in p_ddp:

@@ -195,3 +195,30 @@ def test_fast_and_exact_paths_agree() -> None:
     assert fast.steps_frame().equals(exact.steps_frame())
     crlf = parse_metrics_text(good.replace("\n", "\r\n"))
     assert (crlf.corrupt_lines, summarize_run(crlf)["complete"]) == (0, True)
+
+
+def test_schema_1_and_schema_2_records_are_both_read_the_phases_null_for_schema_1(tmp_path: Path) -> None:
+    """A run started before the step phases existed (schema 1) and resumed after (schema 2)."""
+    phases = {"compute_time_s": 0.06, "comm_time_s": 0.03, "comm_exposed_s": 0.01, "other_time_s": 0.002,
+              "bubble_time_s": None}
+    text = lines(
+        {**START, "run_id": "r"}, {"kind": "step", "step": 1, "step_time_s": 0.1, "data_time_s": 0.0,
+                                   "samples_per_s": 160.0},
+        {"kind": "end", "status": "preempted", "steps": 1, "samples_per_s": 160.0, "wall_time_s": 1.0},
+        {**START, "run_id": "r", "schema": 2, "restart_count": 1, "phase_timing": "host-clock",
+         "comm_timing": "ddp-comm-hook"},
+        {"kind": "step", "schema": 2, "step": 2, "step_time_s": 0.08, "data_time_s": 0.008, "samples_per_s": 200.0,
+         **phases},
+        {"kind": "end", "schema": 2, "status": "completed", "steps": 2, "samples_per_s": 200.0, "wall_time_s": 1.0},
+    )
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(text)
+    data = load_runs(tmp_path / "run", warn=False)
+    assert data.warnings == ()
+    (row,) = data.runs.to_dict("records")
+    assert (row["status"], row["phase_timing"], row["comm_timing"]) == ("completed", "host-clock", "ddp-comm-hook")
+    old, new = data.steps.sort_values("step").to_dict("records")
+    assert all(math.isnan(old[k]) for k in phases)
+    assert {k: new[k] for k in phases if k != "bubble_time_s"} == pytest.approx(
+        {k: v for k, v in phases.items() if k != "bubble_time_s"})
+    assert math.isnan(new["bubble_time_s"]) and new["data_time_s"] == pytest.approx(0.008)
