@@ -143,6 +143,10 @@ def parse(name: str, output: str) -> list[Figure]:
             figs.append(Figure(name, f"step-phase timing: throughput timed / CYCLONE_PHASES=0 ({j['workload']}; per "
                                f"pair: {', '.join(f'{r:.3f}' for r in j['ratios'])})", f"{j['ratio']:.3f}",
                                f">= {j['target']} (cost <= 1% of a step)", _v(j["met"])))
+            if j.get("host_cost_us") is not None:
+                figs.append(Figure(name, "step-phase timing: its own host work per step (CPU time, in-process)",
+                                   f"{j['host_cost_us']:.1f} us = {100 * j['host_cost_share']:.3f}% of the step",
+                                   "<= 1% of a step", _v(j["host_cost_share"] <= 0.01)))
             ph = j.get("phases_ms") or {}
             if ph:
                 figs.append(Figure(name, "the timed side's median step: data + compute + exposed comm (of total) + other",

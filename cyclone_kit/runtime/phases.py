@@ -1,7 +1,9 @@
 """Where each training step's time goes: the phases of every ``step`` record.
 
-Per optimizer step, averaged over a log window, on rank 0 (the contract's fields,
-:data:`cyclone_kit.rundir.contract.PHASE_FIELDS`):
+Per optimizer step, averaged over a log window, as rank 0 saw it (the contract's fields,
+:data:`cyclone_kit.rundir.contract.PHASE_FIELDS`). In synchronous data parallelism every rank's
+step takes as long as the slowest's, so a rank that is slower (its loader, its core) shows on rank 0
+as communication: the all-reduce waits for it.
 
 * ``data_time_s``: waiting for the next batch: the loader's ``next()`` with its host-to-device
   copy. Host clock: the time the training thread spent in it. CUDA events: the compute stream's
@@ -12,6 +14,8 @@ Per optimizer step, averaged over a log window, on rank 0 (the contract's fields
   gradient bucket (DDP), a shard (FSDP's all-gather / reduce-scatter) or the first gradient
   (Horovod) to the library until its result is ready. It includes time queued behind earlier
   buckets and the time a collective waits for a slower rank (a straggler shows as communication).
+  Horovod gives no per-tensor completion times: its figure runs from the first gradient of the
+  step to ``synchronize()`` returning, an upper bound.
 * ``comm_exposed_s``: the part of ``comm_time_s`` not hidden behind computation, derived per
   strategy (docstrings of :class:`PhaseTimer`'s recorders say how; where it is an estimate):
   DDP: from the moment the last bucket became ready (backward has computed its last gradient)
@@ -52,6 +56,9 @@ FSDP_COMMS = "fsdp-collectives"
 HOROVOD_SYNC = "horovod-synchronize"
 #: ``start.comm_timing`` of a world of one: there is no gradient communication (its fields are 0).
 NO_COMM = "none"
+#: ``start.comm_timing`` of the pipeline engine: activations/gradients sent between stages (its
+#: ``bubble_time_s``: the idle time of a stage waiting for micro-batches, outside compute).
+PIPELINE = "pipeline"
 
 #: Chain phases (a mark starts the phase it names).
 DATA, COMPUTE, OTHER = 0, 1, 2
