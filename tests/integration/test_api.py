@@ -28,7 +28,8 @@ import pytest
 
 from cyclone_kit.backends.local_env import clean_environment
 from cyclone_kit.runtime import checkpoint as ckpt
-from tests.conftest import REPO, assert_phases_add_up, run_cli
+from tests.helpers.cli import REPO, run_cli
+from tests.helpers.phases import assert_phases_add_up
 
 pytestmark = pytest.mark.slow
 
