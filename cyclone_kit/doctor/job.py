@@ -26,6 +26,7 @@ from pathlib import Path
 
 from cyclone_kit.core.errors import CommandError, CycloneError
 from cyclone_kit.doctor.checks import Check, HostVersions, ModuleFacts, SmokeResult
+from cyclone_kit.rundir.network import NetworkFigures
 from cyclone_kit.spec.job import CheckpointConfig, JobSpec, Resources
 from cyclone_kit.spec.profile import load_profile
 from cyclone_kit.spec.validate import ResolvedJob, resolve
@@ -218,4 +219,21 @@ def run_doctor(options: DoctorOptions, *, environ: Mapping[str, str] | None = No
         return checks + doctor.skipped_live_checks("smoke job not submitted: " + "; ".join(problems))
     result = run_smoke_job(job, options.runs_dir, wait_timeout_s=options.wait_timeout_s, python=options.python,
                            progress=progress)
-    return checks + doctor.live_checks(job, result, host_versions())
+    figures = save_network_figures(job, result, progress)
+    return checks + doctor.live_checks(job, result, host_versions(), figures)
+
+
+def save_network_figures(job: ResolvedJob, result: SmokeResult,
+                         progress: Callable[[str], None] = lambda _: None) -> NetworkFigures | None:
+    """Fit the smoke job's all-reduce sweep and write ``network.json`` into its run directory."""
+    from cyclone_kit.doctor.checks import network_figures
+    from cyclone_kit.rundir.contract import utc_now
+    from cyclone_kit.rundir.layout import RunDir
+    from cyclone_kit.rundir.network import save_network
+
+    figures = network_figures(job, result, time=utc_now())
+    if figures is not None and result.run_dir:
+        path = RunDir(Path(result.run_dir)).network
+        save_network(path, figures)
+        progress(f"network figures: {path} (cyclone-kit predict ... --network {path})")
+    return figures
