@@ -538,7 +538,7 @@ def _read_rank_files(run_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
                                                  *contract.RANK_SUMMARY_CPU_FIELDS)}
         row.update(rank=_integer(row["rank"]), samples_per_s=_number(row["samples_per_s"]),
                    peak_memory_bytes=_number(row["peak_memory_bytes"]), energy_j=_number(row["energy_j"]),
-                   cpu_cores=_number(row["cpu_cores"]))
+                   cpu_cores=_number(row["cpu_cores"]), threads=_number(row["threads"]))
         rows.append(row)
     return rows
 

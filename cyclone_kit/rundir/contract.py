@@ -58,10 +58,11 @@ END_FIELDS = ("status", "steps", "samples_per_s", "wall_time_s", "time")
 RANK_SUMMARY_FIELDS = ("rank", "host", "device", "samples_per_s", "peak_memory_bytes")
 #: Rank-summary fields written only when measured: the GPU energy in joules (NVML, cyclone_kit.runtime.power).
 RANK_SUMMARY_OPTIONAL_FIELDS = ("energy_j",)
-#: Rank-summary fields of the cores a rank really had (written when the OS tells): ``cpu_cores`` (how many CPUs
-#: its affinity allows), ``cpu_set`` (which, as ``0-3,8``) and ``machine_id`` (the kernel's boot id: ranks of
-#: several Slurm nodes with one machine id share one machine's cores, as on an emulated cluster).
-RANK_SUMMARY_CPU_FIELDS = ("cpu_cores", "cpu_set", "machine_id")
+#: Rank-summary fields of the cores a rank really had (written when known): ``cpu_cores`` (how many CPUs its
+#: affinity allows), ``cpu_set`` (which, as ``0-3,8``), ``machine_id`` (the kernel's boot id: ranks of several
+#: Slurm nodes with one machine id share one machine's cores, as on an emulated cluster) and ``threads``
+#: (torch's compute threads in the rank).
+RANK_SUMMARY_CPU_FIELDS = ("cpu_cores", "cpu_set", "machine_id", "threads")
 #: kind -> the fields a record of that kind must carry.
 FIELDS: Mapping[str, tuple[str, ...]] = {"start": START_FIELDS, "step": STEP_FIELDS, "epoch": EPOCH_FIELDS,
                                          "end": END_FIELDS}

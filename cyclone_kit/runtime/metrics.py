@@ -14,6 +14,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -105,13 +106,16 @@ def write_rank_summary(run_dir: Path, rank: int, host: str, device: str, samples
 
 
 def cpu_facts() -> dict[str, Any]:
-    """The cores this process may run on (its affinity) and the machine's boot id (``{}`` where the OS hides them)."""
+    """The cores this process may run on (its affinity), the machine's boot id and torch's threads (what is known)."""
     facts: dict[str, Any] = {}
     with contextlib.suppress(AttributeError, OSError):
         cpus = os.sched_getaffinity(0)
         facts.update(cpu_cores=len(cpus), cpu_set=cpu_set_text(sorted(cpus)))
     with contextlib.suppress(OSError):
         facts["machine_id"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    torch = sys.modules.get("torch")  # the rank's compute threads, where torch runs in this process
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        facts["threads"] = int(torch.get_num_threads())
     return facts
 
 

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from cyclone_kit.rundir import contract as mx_contract
 from cyclone_kit.runtime import metrics as mx
@@ -95,6 +96,7 @@ def test_rank_summary_and_error_record(tmp_path: Path) -> None:
     assert cpu["cpu_cores"] == len(os.sched_getaffinity(0)) and mx_contract.cpu_set_ids(cpu["cpu_set"]) == \
         os.sched_getaffinity(0)
     assert cpu["machine_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert cpu["threads"] == torch.get_num_threads()
     try:
         raise RuntimeError("boom")
     except RuntimeError as e:
