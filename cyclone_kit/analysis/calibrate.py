@@ -56,7 +56,11 @@ def workload_from_spec(spec: Mapping[str, Any], *, mode: str, global_batch: int,
         ValidationError: a model whose gradient size is not known.
     """
     train = dict(spec.get("train") or {})
-    model = str(train.get("model", "resnet18"))
+    if "model" not in train:
+        raise ValidationError("the run's spec names no built-in model (a script job, or no spec.json): its gradient "
+                              "size is not known", hint="predict from a study of the built-in engine, or from a job "
+                              "spec whose [train] names the model")
+    model = str(train["model"])
     channels = 1 if train.get("dataset") in ONE_CHANNEL else 3
     elements = parameter_count(model, int(train.get("num_classes", 10)), int(train.get("image_size", 32)), channels)
     dtype = "fp16" if train.get("fp16_allreduce") else "fp32"

@@ -584,6 +584,12 @@ def explain_blocks(explanation: Explanation | None) -> list[Block]:
             "communicates nothing, so its compute is its step time minus its data wait.)"))
     blocks.append(Table(breakdown_header(), tuple(breakdown_rows(points))))
     blocks.append(Image(f"breakdown-{figure_stem(explanation.study)}", "Where the time goes: ms per step at every N"))
+    for _, p in points.iterrows():
+        if p["cores_per_rank"] < p["threads"]:  # NaN compares False: unknown cores say nothing
+            blocks.append(Paragraph(
+                f"At N = {int(p['world_size'])} the ranks shared cores: {p['cores_per_rank']:.2g} core(s) per rank "
+                f"(their CPU affinity, counted once per machine) for {p['threads']:.0f} compute thread(s) each. "
+                "Compute slows there because of the machine, not the network."))
     diagnosis = explanation.diagnosis
     if diagnosis is not None:
         blocks.append(Paragraph(diagnosis.sentence))

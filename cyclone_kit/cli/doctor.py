@@ -15,14 +15,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Static checks of the profile against the live cluster (partition, nodes, CPUs, GPUs, memory, "
         "max time, nodelist, the account's association, modules), then a smoke job (about a minute, with the "
         "profile's own setup, modules and python) that checks on every rank: python and torch versions, GPUs "
-        "per task, the rank bootstrap, an all-reduce across the nodes (bandwidth and latency) and the network "
+        "per task, the rank bootstrap, an all-reduce across the nodes (bandwidth and latency), an all-reduce sweep "
+        "from 4 B to 64 MiB (256 MiB on GPUs) per network level fitted into latency and bus bandwidth (saved as "
+        "network.json in the smoke job's run directory, for `cyclone-kit predict --network`) and the network "
         "variables. Exit 0 when every check passed, 1 when one failed, 2 for bad input.",
     )
     p.add_argument("--profile", default="cyclone", help="cluster profile name or .toml path (default: cyclone)")
     p.add_argument("--partition", help="partition (default: the profile's default)")
     p.add_argument("--nodes", type=int, default=None, help="nodes for the smoke job (default: 2, or 1 on a one-node partition)")
     p.add_argument("--account", help="Slurm account to check and charge (default: the profile's)")
-    p.add_argument("--json", action="store_true", help="print a JSON list of {check, ok, detail, hint}")
+    p.add_argument("--json", action="store_true", help="print a JSON list of {check, ok, detail, hint} "
+                   "(the network_figures row adds data: the network.json document)")
     p.add_argument("--static-only", action="store_true", help="only the static checks; submit no job")
     p.add_argument("--runs-dir", default="runs", help="where the smoke job's run directory goes (default: ./runs; "
                    "it must be visible from the compute nodes)")
