@@ -10,7 +10,8 @@ Pure functions over the steps, runs and ranks tables (:mod:`cyclone_kit.analysis
   shrink with the per-device batch in a strong study; communication's ideal is what N0 spent);
   the largest share of the lost time is the cause. Compute that grew where the ranks had fewer
   cores than threads is the machine (shared cores), not the network;
-* :func:`recommendations`: the changes that act on that cause, and only on it.
+  A step that waits for data 40 % of its time or more is input-bound, whether that wait grew or not;
+* :func:`recommendations`: the changes that act on that cause (and on an input-bound step), and only on them.
 
 Honesty: a point whose step records carry no phases is not broken down (the report says so); the
 prediction (:mod:`cyclone_kit.analysis.forecast`) is shown only when calibrated from measured phases.
@@ -31,6 +32,8 @@ PARTS = (("data_time_s", "data wait"), ("compute_time_s", "compute"), ("comm_exp
          ("other_time_s", "rest of the step"))
 #: A phase must hold at least this share of the lost time for its recommendations to show.
 CAUSE_SHARE = 1 / 3
+#: A step that waits for data this share of its time (or more) is input-bound, grown or not.
+INPUT_BOUND_SHARE = 0.4
 #: Causes -> the changes that act on them.
 RECOMMENDATIONS: Mapping[str, tuple[str, ...]] = {
     "comm_exposed_s": (
@@ -88,6 +91,7 @@ class Diagnosis:
         shares: phase -> its share of the lost time (0..1; only phases that grew).
         sentence: the plain sentence for the report.
         lost_s: seconds per step lost against the ideal.
+        input_bound: the largest N's step waits for data :data:`INPUT_BOUND_SHARE` of its time or more.
     """
 
     world_size: int
@@ -96,6 +100,7 @@ class Diagnosis:
     shares: Mapping[str, float]
     sentence: str
     lost_s: float
+    input_bound: bool = False
 
 
 def _median(frame: pd.DataFrame, column: str) -> float:
@@ -173,8 +178,13 @@ def diagnose(points: pd.DataFrame) -> Diagnosis | None:
     excess = {c: (top[c] if not math.isnan(top[c]) else 0.0) - _ideal(base, c, scale) for c, _ in PARTS}
     grew = {c: v for c, v in excess.items() if v > 0}
     lost = top["step_time_s"] - ideal
+    data_share = (top["data_time_s"] or 0.0) / top["step_time_s"] if top["step_time_s"] else 0.0
+    bound = data_share >= INPUT_BOUND_SHARE
+    input_note = (f" The step waits for data {100 * data_share:.0f} % of its time at N = {n}: the run is input-bound, "
+                  "so more devices wait faster, they do not train faster.") if bound else ""
     if lost <= 0 or not grew:
-        return Diagnosis(n, n0, "", {}, f"At N = {n} the step took no longer than the ideal: nothing was lost.", 0.0)
+        return Diagnosis(n, n0, "", {}, f"At N = {n} the step took no longer than the ideal: nothing was lost."
+                         + input_note, 0.0, bound)
     total = sum(grew.values())
     shares = {c: v / total for c, v in sorted(grew.items(), key=lambda kv: -kv[1])}
     cause = next(iter(shares))
@@ -190,15 +200,18 @@ def diagnose(points: pd.DataFrame) -> Diagnosis | None:
     flat = [labels[c] for c, _ in PARTS if c not in grew or shares.get(c, 0) < 0.05]
     sentence = (f"At N = {n}, {100 * next(iter(shares.values())):.0f} % of the lost efficiency is {what}"
                 + (f"; {' and '.join(flat)} {'is' if len(flat) == 1 else 'are'} flat" if flat else "") + ".")
-    return Diagnosis(n, n0, cause, shares, sentence, lost)
+    return Diagnosis(n, n0, cause, shares, sentence + input_note, lost, bound)
 
 
 def recommendations(diagnosis: Diagnosis | None) -> tuple[str, ...]:
     """The changes that act on the diagnosed cause (and on any other phase with a third of the loss)."""
-    if diagnosis is None or not diagnosis.cause:
+    if diagnosis is None:
         return ()
-    causes = [diagnosis.cause] + [c for c, s in diagnosis.shares.items() if s >= CAUSE_SHARE and c != diagnosis.cause
-                                  and not (diagnosis.cause == "shared_cores" and c == "compute_time_s")]
+    causes = ([diagnosis.cause] if diagnosis.cause else []) + [
+        c for c, s in diagnosis.shares.items()
+        if s >= CAUSE_SHARE and c != diagnosis.cause and not (diagnosis.cause == "shared_cores" and c == "compute_time_s")]
+    if diagnosis.input_bound and "data_time_s" not in causes:
+        causes.append("data_time_s")
     return tuple(r for c in causes for r in RECOMMENDATIONS.get(c, ()))
 
 

@@ -191,3 +191,11 @@ def test_no_diagnosis_without_phases_or_without_a_loss() -> None:
     assert explain.diagnose(without) is None
     ideal = explain.diagnose(_points([_row(1, 64, 0.1, 0.4, 0, 0), _row(2, 32, 0.05, 0.2, 0, 0)]))
     assert ideal.cause == "" and explain.recommendations(ideal) == ()
+
+
+def test_a_step_mostly_waiting_for_data_is_input_bound_even_when_the_wait_did_not_grow() -> None:
+    points = _points([_row(1, 64, 0.60, 0.20, 0.0, 0.01), _row(2, 32, 0.30, 0.10, 0.05, 0.01)])
+    d = explain.diagnose(points)
+    assert d.input_bound and "input-bound" in d.sentence and d.cause == "comm_exposed_s"
+    advice = explain.recommendations(d)
+    assert any("num_workers" in a for a in advice) and any("fp16_allreduce" in a for a in advice)
