@@ -32,6 +32,8 @@ PARTS = (("data_time_s", "data wait"), ("compute_time_s", "compute"), ("comm_exp
          ("other_time_s", "rest of the step"))
 #: A phase must hold at least this share of the lost time for its recommendations to show.
 CAUSE_SHARE = 1 / 3
+#: A phase's growth counts (as a cause) only from this share of the step at N: below it is noise.
+MATERIAL_SHARE = 0.05
 #: A step that waits for data this share of its time (or more) is input-bound, grown or not.
 INPUT_BOUND_SHARE = 0.4
 #: Causes -> the changes that act on them.
@@ -176,15 +178,16 @@ def diagnose(points: pd.DataFrame) -> Diagnosis | None:
         base = {**base, "compute_time_s": base["step_time_s"] - (base["data_time_s"] or 0.0), "comm_exposed_s": 0.0,
                 "other_time_s": 0.0}
     excess = {c: (top[c] if not math.isnan(top[c]) else 0.0) - _ideal(base, c, scale) for c, _ in PARTS}
-    grew = {c: v for c, v in excess.items() if v > 0}
+    grew = {c: v for c, v in excess.items() if v > MATERIAL_SHARE * top["step_time_s"]}
     lost = top["step_time_s"] - ideal
     data_share = (top["data_time_s"] or 0.0) / top["step_time_s"] if top["step_time_s"] else 0.0
     bound = data_share >= INPUT_BOUND_SHARE
     input_note = (f" The step waits for data {100 * data_share:.0f} % of its time at N = {n}: the run is input-bound, "
                   "so more devices wait faster, they do not train faster.") if bound else ""
-    if lost <= 0 or not grew:
-        return Diagnosis(n, n0, "", {}, f"At N = {n} the step took no longer than the ideal: nothing was lost."
-                         + input_note, 0.0, bound)
+    if lost <= MATERIAL_SHARE * top["step_time_s"] or not grew:
+        what = "no longer than the ideal" if lost <= 0 else f"{100 * lost / top['step_time_s']:.0f} % longer than the ideal"
+        return Diagnosis(n, n0, "", {}, f"At N = {n} the step took {what}: no phase grew materially."
+                         + input_note, max(0.0, lost), bound)
     total = sum(grew.values())
     shares = {c: v / total for c, v in sorted(grew.items(), key=lambda kv: -kv[1])}
     cause = next(iter(shares))
