@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", default="1,2,4,8,16", help="node counts, comma-separated (default: 1,2,4,8,16)")
     p.add_argument("--ntasks-per-node", type=int, default=None, help="ranks per node (default: the study's, or one "
                    "per GPU)")
-    p.add_argument("--network", default=None, metavar="network.json", help="a doctor run's network.json (or its run "
+    p.add_argument("--network", default=None, metavar="NETWORK_JSON", help="a doctor run's network.json (or its run "
                    "directory); default: the partition's published [network] figures")
     p.add_argument("--profile", default=None, help="cluster profile (default: the study's or the spec's)")
     p.add_argument("--partition", default=None, help="partition (default: the study's or the spec's)")

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(e.g. analysis/reference_baselines.csv); repeatable",
     )
     p.add_argument("--title", default="Scaling report", help="report title")
-    p.add_argument("--network", default=None, metavar="network.json", help="a doctor run's network.json (or its "
+    p.add_argument("--network", default=None, metavar="NETWORK_JSON", help="a doctor run's network.json (or its "
                    "run directory) for the predicted-vs-measured section; default: the partition's published figures "
                    "where the profile has them")
     p.set_defaults(func=run)
