@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run doctor, the studies and the predictions; print every figure."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=1 if quick() else 2)
-    p.add_argument("--steps", type=int, default=20 if quick() else 60)
+    p.add_argument("--steps", type=int, default=20 if quick() else 40)
     p.add_argument("--network", default=None, help="reuse a doctor run's network.json instead of running doctor")
     args = p.parse_args(argv)
     if shutil.which("sbatch") is None or subprocess.run(["sinfo"], capture_output=True, check=False).returncode:
