@@ -54,6 +54,8 @@ class DoctorOptions:
         wait_timeout_s: how long to wait for the smoke job (queue and run) before cancelling it.
         static_only: skip the smoke job.
         python: the interpreter for the job; ``None`` for the profile's, else this one.
+        ntasks_per_node: tasks per node (``None``: one per GPU, one on CPU partitions); 2 or more
+            also measure the network inside a node.
     """
 
     profile: str
@@ -64,9 +66,11 @@ class DoctorOptions:
     wait_timeout_s: float = 300
     static_only: bool = False
     python: str | None = None
+    ntasks_per_node: int | None = None
 
 
-def doctor_request(profile: str, partition: str, nodes: int | None, account: str) -> ResolvedJob:
+def doctor_request(profile: str, partition: str, nodes: int | None, account: str,
+                   ntasks_per_node: int | None = None) -> ResolvedJob:
     """The smoke job's request: what ``submit`` would ask for on that profile and partition.
 
     Raises:
@@ -79,6 +83,7 @@ def doctor_request(profile: str, partition: str, nodes: int | None, account: str
     spec = JobSpec(
         name=JOB_NAME,
         resources=Resources(profile=prof.name, partition=part.name, nodes=nodes, account=account, time=JOB_TIME,
+                            ntasks_per_node=ntasks_per_node,
                             launcher="srun"),
         checkpoint=CheckpointConfig(requeue=False, resume=False, every_steps=0),
     )
@@ -202,7 +207,7 @@ def run_doctor(options: DoctorOptions, *, environ: Mapping[str, str] | None = No
     from cyclone_kit.slurm.query import cluster_facts
 
     environ = os.environ if environ is None else environ
-    job = doctor_request(options.profile, options.partition, options.nodes, options.account)
+    job = doctor_request(options.profile, options.partition, options.nodes, options.account, options.ntasks_per_node)
     user = environ.get("USER") or getpass.getuser()
     try:
         facts = cluster_facts(job.partition.name, user)

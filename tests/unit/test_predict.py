@@ -199,3 +199,30 @@ def test_a_step_mostly_waiting_for_data_is_input_bound_even_when_the_wait_did_no
     assert d.input_bound and "input-bound" in d.sentence and d.cause == "comm_exposed_s"
     advice = explain.recommendations(d)
     assert any("num_workers" in a for a in advice) and any("fp16_allreduce" in a for a in advice)
+
+
+def test_cores_per_rank_come_from_the_affinity_each_rank_had_on_its_machine() -> None:
+    from cyclone_kit.analysis.calibrate import machine_cores
+
+    boot = "a0c4e374"
+    ranks = pd.DataFrame([
+        {"run_dir": "r1", "rank": 0, "host": "c1", "cpu_set": "0-1", "machine_id": boot, "threads": 1},
+        {"run_dir": "r2", "rank": 0, "host": "c1", "cpu_set": "0-1", "machine_id": boot, "threads": 1},
+        {"run_dir": "r2", "rank": 1, "host": "c2", "cpu_set": "0-1", "machine_id": boot, "threads": 1},
+        *[{"run_dir": "r4", "rank": r, "host": f"c{1 + r // 2}", "cpu_set": "0-1", "machine_id": boot, "threads": 1}
+          for r in range(4)],
+    ])
+    machine, per_run = machine_cores(ranks, pd.DataFrame())
+    assert (machine.cores, machine.nodes_per_machine) == (2.0, 2)  # c1 and c2 are one machine with 2 cores
+    assert per_run == {"r1": 2.0, "r2": 1.0, "r4": 0.5}
+    points = explain.phase_table(pd.DataFrame(), pd.DataFrame([
+        {"study": "s", "strategy": "ddp", "world_size": 4, "run_dir": "r4", "complete": True,
+         "per_device_batch_size": 16}]), ranks)
+    assert points.iloc[0]["cores_per_rank"] == 0.5 and points.iloc[0]["threads"] == 1
+
+
+def test_doctor_can_ask_for_several_tasks_per_node() -> None:
+    from cyclone_kit.doctor.job import doctor_request
+
+    job = doctor_request("local", "cpu", 2, "", ntasks_per_node=2)
+    assert (job.nodes, job.ntasks_per_node) == (2, 2)
