@@ -7,7 +7,9 @@ Pure functions over the steps, runs and ranks tables (:mod:`cyclone_kit.analysis
   cores per rank the ranks' affinity gave them;
 * :func:`diagnose`: the phase that grew. Against the ideal step at N (strong: the N0 step x N0 / N,
   weak: the N0 step), each phase's excess is what it takes beyond its own ideal (data and compute
-  shrink with the per-device batch in a strong study; communication's ideal is what N0 spent);
+  shrink with the per-device batch in a strong study; communication's ideal is what N0 spent). On
+  CPU, gloo reduces on the ranks' own cores, so the all-reduce time "hidden" behind backward
+  stretches compute: up to that much of compute's excess is counted as communication;
   the largest share of the lost time is the cause. Compute that grew where the ranks had fewer
   cores than threads is the machine (shared cores), not the network;
   A step that waits for data 40 % of its time or more is input-bound, whether that wait grew or not;
@@ -30,6 +32,9 @@ from cyclone_kit.analysis.calibrate import steady_steps
 #: The parts a step is split into, in stacking order, with their labels.
 PARTS = (("data_time_s", "data wait"), ("compute_time_s", "compute"), ("comm_exposed_s", "exposed gradient all-reduce"),
          ("other_time_s", "rest of the step"))
+#: How the diagnosis names each cause (on CPU the all-reduce also costs the cores backward runs on).
+CAUSE_NAMES = {"data_time_s": "data wait", "compute_time_s": "compute", "other_time_s": "the rest of the step",
+               "comm_exposed_s": "gradient all-reduce (exposed, or on CPU stretching backward on the ranks' own cores)"}
 #: A phase must hold at least this share of the lost time for its recommendations to show.
 CAUSE_SHARE = 1 / 3
 #: A phase's growth counts (as a cause) only from this share of the step at N: below it is noise.
@@ -128,6 +133,7 @@ def phase_table(steps: pd.DataFrame, runs: pd.DataFrame, ranks: pd.DataFrame) ->
         for column in (*[c for c, _ in PARTS], "comm_time_s"):
             row[column] = _median(mine, column)
         row["phases"] = not math.isnan(row["compute_time_s"])
+        row["device"] = "cuda" if "device" in group and str(group["device"].iloc[0]).startswith("cuda") else "cpu"
         row["cores_per_rank"], row["threads"] = _cores(ranks, dirs)
         rows.append(row)
     return pd.DataFrame(rows)
@@ -178,6 +184,12 @@ def diagnose(points: pd.DataFrame) -> Diagnosis | None:
         base = {**base, "compute_time_s": base["step_time_s"] - (base["data_time_s"] or 0.0), "comm_exposed_s": 0.0,
                 "other_time_s": 0.0}
     excess = {c: (top[c] if not math.isnan(top[c]) else 0.0) - _ideal(base, c, scale) for c, _ in PARTS}
+    if top.get("device") == "cpu" and not math.isnan(top["comm_time_s"]) and excess["compute_time_s"] > 0:
+        # gloo reduces on the ranks' own cores: the part "hidden" behind backward stretches compute instead
+        hidden = max(0.0, top["comm_time_s"] - (top["comm_exposed_s"] or 0.0))
+        moved = min(hidden, excess["compute_time_s"])
+        excess["compute_time_s"] -= moved
+        excess["comm_exposed_s"] += moved
     grew = {c: v for c, v in excess.items() if v > MATERIAL_SHARE * top["step_time_s"]}
     lost = top["step_time_s"] - ideal
     data_share = (top["data_time_s"] or 0.0) / top["step_time_s"] if top["step_time_s"] else 0.0
@@ -199,7 +211,7 @@ def diagnose(points: pd.DataFrame) -> Diagnosis | None:
         what = (f"compute that slowed because the ranks share cores ({top['cores_per_rank']:.2g} core(s) per rank for "
                 f"{top['threads']:.0f} thread(s)), not the network")
     else:
-        what = labels[cause]
+        what = CAUSE_NAMES[cause]
     flat = [labels[c] for c, _ in PARTS if c not in grew or shares.get(c, 0) < 0.05]
     sentence = (f"At N = {n}, {100 * next(iter(shares.values())):.0f} % of the lost efficiency is {what}"
                 + (f"; {' and '.join(flat)} {'is' if len(flat) == 1 else 'are'} flat" if flat else "") + ".")

@@ -160,7 +160,7 @@ def test_a_communication_bound_study_is_named_and_gets_the_communication_advice(
     points = _points([_row(1, 8, 0.01, 0.20, 0.0, 0.01), _row(2, 4, 0.005, 0.10, 0.15, 0.01)])
     d = explain.diagnose(points)
     assert d.cause == "comm_exposed_s" and d.world_size == 2 and d.shares["comm_exposed_s"] > 0.9
-    assert d.sentence.startswith("At N = 2, ") and "exposed gradient all-reduce" in d.sentence
+    assert d.sentence.startswith("At N = 2, ") and "of the lost efficiency is gradient all-reduce" in d.sentence
     assert "data wait" in d.sentence and "flat" in d.sentence
     advice = explain.recommendations(d)
     assert any("fp16_allreduce" in a for a in advice) and any("bucket_cap_mb" in a for a in advice)
@@ -183,6 +183,14 @@ def test_compute_that_grew_on_shared_cores_blames_the_machine_not_the_network() 
     assert d.cause == "shared_cores" and "share cores" in d.sentence and "not the network" in d.sentence
     advice = explain.recommendations(d)
     assert advice and all("fp16" not in a for a in advice) and any("fewer ranks per node" in a for a in advice)
+
+
+def test_on_cpu_the_hidden_all_reduce_that_stretched_backward_counts_as_communication() -> None:
+    grown = _row(2, 4, 0.0, 0.175, 0.03, 0.0, comm_time_s=0.10, device="cpu")  # compute 0.175 for an ideal 0.1
+    d = explain.diagnose(_points([_row(1, 8, 0.0, 0.2, 0.0, 0.0, device="cpu"), grown]))
+    assert d.cause == "comm_exposed_s" and d.shares["comm_exposed_s"] > 0.9  # 0.03 exposed + 0.07 hidden of 0.105 lost
+    on_gpu = explain.diagnose(_points([_row(1, 8, 0.0, 0.2, 0.0, 0.0, device="cuda"), {**grown, "device": "cuda"}]))
+    assert on_gpu.cause == "compute_time_s"  # on a GPU the hidden part is hidden
 
 
 def test_no_diagnosis_without_phases_or_without_a_loss() -> None:
