@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "doctor",
         help="check a profile against the live cluster and run a short smoke job",
         description="Static checks of the profile against the live cluster (partition, nodes, CPUs, GPUs, memory, "
-        "max time, nodelist, the account's association, modules), then a smoke job (about a minute, with the "
+        "max time, nodelist, the account's association, modules), then a smoke job (a few minutes at most, with the "
         "profile's own setup, modules and python) that checks on every rank: python and torch versions, GPUs "
         "per task, the rank bootstrap, an all-reduce across the nodes (bandwidth and latency), an all-reduce sweep "
         "from 4 B to 64 MiB (256 MiB on GPUs) per network level fitted into latency and bus bandwidth (saved as "

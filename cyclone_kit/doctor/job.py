@@ -34,7 +34,7 @@ from cyclone_kit.spec.validate import ResolvedJob, resolve
 #: the smoke job's name (``--job-name``) and the prefix of its run directory.
 JOB_NAME = "ck-doctor"
 #: its wall-time request; the probe itself is bounded by PROBE_TIMEOUT_S per stage.
-JOB_TIME = "00:01:00"
+JOB_TIME = "00:03:00"
 #: seconds a rank waits for the others in init_process_group.
 PROBE_TIMEOUT_S = 30
 #: size of the bandwidth all-reduce.
