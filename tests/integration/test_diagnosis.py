@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.rundir import contract
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 pytestmark = [
     pytest.mark.slow,

@@ -17,7 +17,7 @@ import pytest
 
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.rundir.network import load_network
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slurm
 
