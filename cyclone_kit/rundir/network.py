@@ -143,9 +143,9 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]], ranks: int) -> tuple[f
     sxx = sum(w * (x - mx) ** 2 for w, x in zip(weights, xs, strict=True))
     sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, xs, ys, strict=True))
     slope = sxy / sxx if sxx > 0 else 0.0
-    if slope <= 0:
+    if slope <= 0:  # seconds per bus byte of the largest message
         size, seconds = max(pts)
-        slope = f * size / seconds
+        slope = seconds / (f * size)
     return max(0.0, my - slope * mx), 1.0 / slope / 1e9
 
 
