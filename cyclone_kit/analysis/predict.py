@@ -22,10 +22,12 @@ The model, per optimizer step on N ranks (``m`` nodes x ``r`` ranks per node)::
   measured small-message latency over the ``2 (n - 1)`` ring steps it was measured with. NCCL
   chooses the cheaper of ring and tree across nodes (approximated here by the minimum); gloo and
   Horovod-on-gloo always use a ring.
-* ``overlap(N)``: DDP starts a bucket's all-reduce while backward still runs, so at most the
-  backward share of compute (``backward_share``, 2/3 by default: backward costs about twice the
-  forward) minus nothing of the last bucket can hide it. On CPU (gloo) the all-reduce runs on the
-  ranks' own cores: it hides only where a rank has a spare core (cores per rank > threads).
+* ``overlap(N)``: DDP starts a bucket's all-reduce while backward still runs, so the all-reduces
+  of every bucket but the last can hide behind at most the backward share of compute
+  (``backward_share``, 2/3 by default: backward costs about twice the forward). This is an
+  estimate (the engine measures the exposed part; the model cannot see it before the run). On CPU
+  (gloo) the all-reduce runs on the ranks' own cores: it hides only where a rank has a spare core
+  (cores per rank > threads).
 * ``T_fixed``: the rest of a step (the measured step time minus its phases) stays as measured.
 
 Nothing here reads a file or imports torch; :mod:`cyclone_kit.analysis.calibrate` builds the inputs
