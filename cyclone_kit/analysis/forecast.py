@@ -125,12 +125,12 @@ def resolve_network(network_path: str | None, profile: ClusterProfile, part: Par
     return figures
 
 
-def _errors(prediction: Prediction, measured: Mapping[int, tuple[int, int, float]]) -> dict[int, float]:
-    """Predicted minus measured efficiency at every measured N the prediction holds."""
+def prediction_errors(prediction: Prediction, measured: Mapping[int, tuple[int, int, float]]) -> dict[int, float]:
+    """Predicted minus measured efficiency at every measured N the prediction holds in the same layout."""
     out = {}
-    for n, (_, _, eff) in measured.items():
+    for n, (nodes, per_node, eff) in measured.items():
         point = prediction.point(n)
-        if point is not None:
+        if point is not None and (point.nodes, point.ranks_per_node) == (nodes, per_node):
             out[n] = point.efficiency - eff
     return out
 
@@ -194,7 +194,7 @@ def forecast_data(data: Any, table: Any, nodes: Sequence[int] | None = None, per
                           machine)
     return Forecast(prediction=prediction, workload=inputs.workload, network=network,
                     measured={n: e for n, (_, _, e) in inputs.measured.items()},
-                    errors=_errors(prediction, inputs.measured), where=f"{prof.name} / {part.name}")
+                    errors=prediction_errors(prediction, inputs.measured), where=f"{prof.name} / {part.name}")
 
 
 def calibration_command(spec_path: str, profile: str, partition: str) -> str:

@@ -234,3 +234,12 @@ def test_doctor_can_ask_for_several_tasks_per_node() -> None:
 
     job = doctor_request("local", "cpu", 2, "", ntasks_per_node=2)
     assert (job.nodes, job.ntasks_per_node) == (2, 2)
+
+
+def test_errors_compare_only_the_same_layout() -> None:
+    from cyclone_kit.analysis.forecast import prediction_errors
+
+    two_per_node = NetworkFigures(levels={"inter": INTER, "intra": Level(50e-6, 2.0, 2)})
+    pred = predict(CAL, _workload(), two_per_node, [1, 2], 2)
+    assert prediction_errors(pred, {2: (2, 1, 0.7)}) == {}  # measured on 2 nodes x 1, predicted on 1 node x 2
+    assert prediction_errors(pred, {2: (1, 2, 0.7)}) == {2: pytest.approx(pred.point(2).efficiency - 0.7)}
