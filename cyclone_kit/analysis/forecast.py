@@ -22,7 +22,7 @@ from typing import Any
 from cyclone_kit.analysis.predict import Calibration, Machine, MissingLevel, Prediction, Workload, comm_per_step, predict
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.network import NetworkFigures, load_network
-from cyclone_kit.spec.profile import ClusterProfile, Partition, load_profile
+from cyclone_kit.config.profile import ClusterProfile, Partition, load_profile
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def forecast_spec(spec_path: str | Path, nodes: Sequence[int], per_node: int | N
         ValidationError: bad spec, layout, model or network figures.
     """
     from cyclone_kit.analysis.calibrate import workload_from_spec
-    from cyclone_kit.spec.job import load_spec, spec_to_dict
+    from cyclone_kit.config.job import load_spec, spec_to_dict
 
     spec = load_spec(spec_path)
     prof = load_profile(profile or spec.resources.profile)

@@ -18,9 +18,9 @@ from cyclone_kit.rundir.network import (
     load_network,
     save_network,
 )
-from cyclone_kit.spec.job import JobSpec, Resources
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.validate import resolve
+from cyclone_kit.config.job import JobSpec, Resources
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.validate import resolve
 
 REPORTS = Path(__file__).parent / "doctor_reports"
 

@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.rundir.network import LEVELS as NETWORK_LEVELS
-from cyclone_kit.rundir.network import NetworkFigures, level_from_dict
-from cyclone_kit.slurm.walltime import parse_time
-from cyclone_kit.spec.toolbox import (
+from cyclone_kit.config.toolbox import (
     build,
     check_directives,
     check_non_negative,
     check_positive,
     read_toml,
 )
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.rundir.network import LEVELS as NETWORK_LEVELS
+from cyclone_kit.rundir.network import NetworkFigures, level_from_dict
+from cyclone_kit.slurm.walltime import parse_time
 
 GPU_REQUESTS = ("gres", "gpus-per-node")
 
