@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from cyclone_kit.analysis.predict import Calibration, Machine, MissingLevel, Prediction, Workload, comm_per_step, predict
+from cyclone_kit.config.profile import ClusterProfile, Partition, load_profile
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.network import NetworkFigures, load_network
-from cyclone_kit.config.profile import ClusterProfile, Partition, load_profile
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from cyclone_kit.config.job import JobSpec, Resources
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.doctor import checks as doctor
 from cyclone_kit.doctor.checks import SmokeResult
@@ -18,9 +21,6 @@ from cyclone_kit.rundir.network import (
     load_network,
     save_network,
 )
-from cyclone_kit.config.job import JobSpec, Resources
-from cyclone_kit.config.profile import load_profile
-from cyclone_kit.config.validate import resolve
 
 REPORTS = Path(__file__).parent / "doctor_reports"
 

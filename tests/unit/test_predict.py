@@ -19,9 +19,9 @@ from cyclone_kit.analysis.predict import (
     predict,
     ring_allreduce_s,
 )
+from cyclone_kit.config.profile import load_profile
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.network import Level, NetworkFigures, save_network
-from cyclone_kit.config.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[2]
 INTER = Level(alpha_s=100e-6, busbw_gbps=1.0, ranks=2, nodes=2)
