@@ -109,6 +109,7 @@ def rank_environments(
     run_dir: Path | str,
     job_name: str = "cyclone",
     base: Mapping[str, str] | None = None,
+    submit_dir: str | None = None,
 ) -> list[dict[str, str]]:
     """The environment of every rank, as srun would set it for ``nodes`` x ``nproc/nodes`` tasks (pure).
 
@@ -148,7 +149,7 @@ def rank_environments(
         "SLURM_STEP_NUM_NODES": str(nodes),
         "SLURM_STEP_NUM_TASKS": str(nproc),
         "SLURM_STEP_TASKS_PER_NODE": tpn,
-        "SLURM_SUBMIT_DIR": os.getcwd(),
+        "SLURM_SUBMIT_DIR": submit_dir or os.getcwd(),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(master_port),
         "OMP_NUM_THREADS": str(threads),
@@ -169,6 +170,12 @@ def rank_environments(
             "SLURM_TOPOLOGY_ADDR": hosts[node],
         })
     return envs
+
+
+def working_directory(spec: Any) -> str | None:
+    """A script job's working directory (``script.chdir``: where it was submitted, or ``--chdir``); None: ours (pure)."""
+    script = getattr(spec, "script", None)
+    return (script.chdir or None) if script is not None else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -335,6 +342,7 @@ def launch(
     environ: Mapping[str, str] | None = None,
     extra_env: Mapping[str, str] | None = None,
     on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
+    cwd: Path | str | None = None,
 ) -> LaunchResult:
     """Start ``nproc`` ranks over ``nodes`` pretend nodes of this host and wait for them.
 
@@ -353,6 +361,7 @@ def launch(
             variables are removed).
         extra_env: variables set for every rank on top (e.g. ``CUDA_VISIBLE_DEVICES=""`` for CPU only).
         on_start: called with the rank processes once all are started.
+        cwd: the ranks' working directory (default: this process's; see :func:`working_directory`).
 
     Returns:
         The :class:`LaunchResult`; ``failure.json`` is written when it is not ok.
@@ -364,7 +373,8 @@ def launch(
     threads = threads or threads_per_rank(nproc, available_cores())
     job_id = new_job_id()
     envs = rank_environments(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads,
-                             run_dir=run_dir, job_name=job_name, base=os.environ if environ is None else environ)
+                             run_dir=run_dir, job_name=job_name, base=os.environ if environ is None else environ,
+                             submit_dir=str(cwd) if cwd else None)
     envs = [{**env, **(extra_env or {})} for env in envs]
     argv = list(command) if command else [sys.executable, *trainer_words(run_dir)]
 
@@ -402,7 +412,7 @@ def launch(
                 err = open(rd.rank_log(rank, "err"), "ab")  # noqa: SIM115
                 files += [out, err]
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, cwd=cwd)
                 procs.append(proc)
                 threading.Thread(target=_reap, args=(rank, proc, events), daemon=True).start()
             _write_launch_record(run_dir, job_id, procs, envs, threads, argv)
@@ -623,7 +633,7 @@ class LocalBackend:
         threads = threads_per_rank(nproc, available_cores())
         rd.set_threads(threads)
         result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=rank_argv(job.spec, rd.path))
+                        grace_s=self.grace_s, command=rank_argv(job.spec, rd.path), cwd=working_directory(job.spec))
         rd.write_submission(result.job_id, self.name)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")

@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
-    from cyclone_kit.backends.local import LocalBackend, format_failure, launch, local_job
+    from cyclone_kit.backends.local import LocalBackend, format_failure, launch, local_job, working_directory
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.rundir.entry import rank_argv
     from cyclone_kit.rundir.layout import RunDir
@@ -78,11 +78,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"run dir: {run_dir}")
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {rd.logs}", flush=True)
-    print(f"run dir: {run_dir}")
-    print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
-          f"logs in {rd.logs}", flush=True)
     result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
-                    command=rank_argv(job.spec, run_dir),
+                    command=rank_argv(job.spec, run_dir), cwd=working_directory(job.spec),
                     timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
                     extra_env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None)
     rd.write_submission(result.job_id, LocalBackend.name)

@@ -136,6 +136,8 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "glibc_tunables": GLIBC_TUNABLES,
         "port_span": PORT_SPAN,
         "entry": rank_entry(job, run_dir),
+        # a script job runs in its working directory (script.chdir: where `submit` ran, or --chdir)
+        "workdir": spec.script.chdir if spec.script is not None else "",
     }
 
 
@@ -182,7 +184,7 @@ def report_context(study_dir: Path | str, job: ResolvedJob, after: Sequence[str]
         "exclusive": False, "signal": "", "requeue": False, "extra_sbatch": list(prof.extra_sbatch),
         "log_dir": str(StudyDir(study).logs), "log_stem": "report",
         "dependency": f"afterany:{':'.join(str(i) for i in after)}" if after else "",
-        "study_dir": study, "report_dir": str(StudyDir(study).report),
+        "study_dir": study, "report_dir": str(StudyDir(study).report), "workdir": "",
     }
 
 

@@ -144,7 +144,7 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
         echo: receives rank 0's output of each run (None: silent).
         out, err: progress lines and failure reports (default: nowhere).
     """
-    from cyclone_kit.backends.local import LocalBackend, available_cores, format_failure, launch
+    from cyclone_kit.backends.local import LocalBackend, available_cores, format_failure, launch, working_directory
     from cyclone_kit.rundir.entry import rank_argv
 
     out, err = out or io.StringIO(), err or io.StringIO()
@@ -157,7 +157,7 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
             rd.set_threads(threads)
             print(f"== {r.name}: {r.world_size} rank(s), {threads} thread(s) each", file=out, flush=True)
             result = launch(rd.path, r.world_size, r.job.nodes, threads=threads, job_name=r.job.spec.name, echo=echo,
-                            command=rank_argv(r.job.spec, rd.path))
+                            command=rank_argv(r.job.spec, rd.path), cwd=working_directory(r.job.spec))
             rd.write_submission(result.job_id, LocalBackend.name)
             outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": result.job_id,
                                     "status": "completed" if result.ok else "failed",
