@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         status = rd.end_status() or "ended"
         hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""
         print(f"{status} in {result.wall_time_s:.1f} s; metrics: {rd.metrics}{hint}")
+        if rd.script_warning():
+            print(f"warning: {rd.script_warning()}")
         return 0
     if result.first_failure is None:
         sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {rd.failure}\n")
