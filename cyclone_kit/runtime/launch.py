@@ -429,8 +429,8 @@ def _run(shim: ShimArgs) -> int:
         sys.excepthook(type(e), e, e.__traceback__)  # as for any uncaught exception (ck's hook records it too)
         _record_error(run_dir, rank, host, e)
     wall = time.monotonic() - started
-    formed = pgcheck.formed_world()
-    warning = pgcheck.verdict(env.world_size, formed) if code == 0 else ""
+    formed, used = pgcheck.formed_world(), pgcheck.collectives()
+    warning = pgcheck.verdict(env.world_size, formed, used) if code == 0 else ""
     if warning and main_rank:
         _say(f"warning: {warning} (torch.distributed.init_process_group, ck.init() or hvd.init() joins them; "
              "on CPU nodes accelerate needs ACCELERATE_USE_CPU=1)")

@@ -131,6 +131,7 @@ ACCELERATE = textwrap.dedent("""
     Path(f"./acc-rank{os.environ['RANK']}.json").write_text(json.dumps(
         {"index": acc.process_index, "processes": acc.num_processes, "type": str(acc.distributed_type),
          "host": socket.gethostname()}))
+    acc.wait_for_everyone()   # as a training loop's collectives would (a no-op for independent copies)
 """)
 
 

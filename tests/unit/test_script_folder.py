@@ -112,12 +112,15 @@ def test_torchrun_workers_need_a_core_each() -> None:
 
 
 # --------------------------------------------------------------------------- process group verdict
-@pytest.mark.parametrize(("launched", "formed", "said"), [
-    (1, None, ""), (4, 4, ""), (4, None, "4 ranks ran as 4 independent copies"),
-    (4, 1, "4 ranks ran as 4 independent copies"), (4, 2, "4 ranks formed process groups of 2, not one of world 4"),
+@pytest.mark.parametrize(("launched", "formed", "used", "said"), [
+    (1, None, None, ""), (4, 4, None, ""), (4, 4, 12, ""), (4, None, None, "4 ranks ran as 4 independent copies"),
+    (4, 1, None, "4 ranks ran as 4 independent copies"),
+    (4, 2, 5, "4 ranks formed process groups of 2, not one of world 4"),
+    # accelerate without ACCELERATE_USE_CPU on CPU nodes: the group of 4 is formed, then never used
+    (4, 4, 0, "4 ranks ran as 4 independent copies: they formed a process group of world 4 but never communicated"),
 ])
-def test_verdict(launched: int, formed: int | None, said: str) -> None:
-    text = pgcheck.verdict(launched, formed)
+def test_verdict(launched: int, formed: int | None, used: int | None, said: str) -> None:
+    text = pgcheck.verdict(launched, formed, used)
     assert text.startswith(said) and bool(text) == bool(said)
 
 
