@@ -54,8 +54,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def _submit(cwd: Path, *argv: str, env: dict[str, str] | None = None) -> tuple[str, Path]:
-    proc = run_cli("submit", *argv, "--profile", "local", "--time", "00:10:00", "--runs-dir", str(cwd / "runs"),
-                   cwd=cwd, env=env, timeout=120)
+    own, script_args = (argv[:argv.index("--")], argv[argv.index("--"):]) if "--" in argv else (argv, ())
+    proc = run_cli("submit", *own, "--profile", "local", "--time", "00:10:00", "--runs-dir", str(cwd / "runs"),
+                   *script_args, cwd=cwd, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = re.search(r"^submitted job (\d+)$", proc.stdout, re.M)
     run_dir = re.search(r"^run dir: (.+)$", proc.stdout, re.M)
