@@ -138,6 +138,8 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "entry": rank_entry(job, run_dir),
         # a script job runs in its working directory (script.chdir: where `submit` ran, or --chdir)
         "workdir": spec.script.chdir if spec.script is not None else "",
+        "script_source": (spec.script.path or f"-m {spec.script.module}") if spec.script is not None else "",
+        "script_live": bool(spec.script is not None and (spec.script.live or spec.script.module)),
     }
 
 
@@ -185,6 +187,7 @@ def report_context(study_dir: Path | str, job: ResolvedJob, after: Sequence[str]
         "log_dir": str(StudyDir(study).logs), "log_stem": "report",
         "dependency": f"afterany:{':'.join(str(i) for i in after)}" if after else "",
         "study_dir": study, "report_dir": str(StudyDir(study).report), "workdir": "",
+        "script_source": "",
     }
 
 
