@@ -168,7 +168,7 @@ def test_a_bare_accelerator_on_cpu_nodes_joins_the_ranks_or_is_reported_as_indep
 def test_torchrun_with_two_workers_per_cpu_node_trains_with_world_4(slurm_cluster: dict[str, str],
                                                                       tmp_path: Path) -> None:
     job_id, run_dir = _submit(tmp_path, str(REPO / "examples" / "plain_ddp.py"), "--launcher", "torchrun",
-                              "--nodes", "2", "--ntasks-per-node", "2", "--", "--steps", "6")
+                              "--nodes", "2", "--ntasks-per-node", "2", "--cpus-per-task", "2", "--", "--steps", "6")
     logs = _wait(job_id, run_dir)
     ranks = sorted((int(r), int(w), h) for r, w, h in re.findall(r"^plain_ddp: rank (\d+) of (\d+) on (\S+)", logs, re.M))
     print(f"torchrun 2 x 2 workers on cpu nodes: job {job_id}, ranks {ranks}")
