@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_ddp import TIMEOUT_S, clean_env, free_port
+from tests.helpers.ranks import TIMEOUT_S, clean_env, free_port
 
 FSDP_CHILD = r"""
 import sys, datetime
@@ -156,8 +156,9 @@ def test_imagefolder_run_with_workers_checkpoints_when_slurm_signals_every_proce
     import signal
 
     from cyclone_kit.backends.srun_emulator import LAUNCH_FILE
-    from tests.conftest import REPO
-    from tests.integration.test_signals import alive, records, wait_for
+    from tests.helpers.cli import REPO
+    from tests.helpers.ranks import alive, records
+    from tests.helpers.slurm_jobs import wait_for
 
     data = tmp_path / "data"
     _png_tree(data)
@@ -235,9 +236,9 @@ def test_horovod_fp16_allreduce_with_a_grad_scaler_updates_by_the_unscaled_mean_
     import json
     import os
 
-    from tests.integration.test_strategies import _horovod_missing
+    from tests.helpers.ranks import horovod_missing
 
-    missing = _horovod_missing()
+    missing = horovod_missing()
     if missing:
         pytest.skip(f"Horovod not importable: {missing}")
     child = tmp_path / "child.py"

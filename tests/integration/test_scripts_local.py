@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.spec.script import sha256_hex
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 

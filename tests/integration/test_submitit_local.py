@@ -15,7 +15,7 @@ from cyclone_kit.spec.job import load_spec
 from cyclone_kit.spec.jobspec import spec_json
 from cyclone_kit.spec.profile import load_profile
 from cyclone_kit.spec.validate import resolve
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 

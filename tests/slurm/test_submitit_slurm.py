@@ -10,7 +10,7 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.backends.submitit_ import SubmititBackend
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 #: Hang guard (not a performance bound): the 4-rank 10-step job takes ~15-20 s here, >= 10x.

@@ -10,7 +10,7 @@ from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.spec.job import MODELS, JobSpec, apply_overrides, load_spec, spec_from_dict, spec_to_dict
 from cyclone_kit.spec.profile import load_profile, profile_names
 from cyclone_kit.spec.toolbox import parse_assignment
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 
 def test_builtin_profiles():
