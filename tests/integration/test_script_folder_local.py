@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 #: A script in the published pattern: relative ./data and ./ckpt.pt, a sibling package, no cyclone_kit.
 SCRIPT = textwrap.dedent("""
