@@ -77,7 +77,7 @@ def test_a_script_runs_in_its_folder_from_its_snapshot_and_resumes(tmp_path: Pat
     (first / "logs" / "events.out.tfevents.1").write_bytes(b"\x18\x00\x00\x00\x00\x00\x00\x00\xa3\x7f brain.Event:2")
     logs = run_cli("logs", str(first), cwd=proj)
     assert "==> logs/events.out.tfevents.1 <== binary file (24 bytes), not shown" in logs.stdout, logs.stdout
-    assert "\x00" not in logs.stdout and "==> logs/rank-0.out <==" in logs.stdout
+    assert "\x00" not in logs.stdout and "==> logs/rank-0.err <==" in logs.stdout
 
     # a second run from the same folder resumes from the first one's checkpoint
     _run(proj, "train.py", "--nproc", "2")
