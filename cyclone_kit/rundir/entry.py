@@ -43,7 +43,7 @@ def shim_words(run_dir: Path | str | None, target: Sequence[str], *, horovod: bo
 
 
 def script_target(script: Any, run_dir: Path | str | None = None) -> list[str]:
-    """``[SCRIPT, ARGS...]`` or ``[-m, MODULE, ARGS...]`` of a :class:`~cyclone_kit.spec.job.ScriptConfig`.
+    """``[SCRIPT, ARGS...]`` or ``[-m, MODULE, ARGS...]`` of a :class:`~cyclone_kit.config.job.ScriptConfig`.
 
     With ``run_dir``, a script file that is not ``live`` is its snapshot in the run directory.
     """

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from cyclone_kit.config.job import spec_from_dict, spec_to_dict
+from cyclone_kit.config.toolbox import read_toml
 from cyclone_kit.runtime import checkpoint as ck
-from cyclone_kit.spec.job import spec_from_dict, spec_to_dict
-from cyclone_kit.spec.toolbox import read_toml
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "jobs" / "smoke.toml"

@@ -15,7 +15,7 @@ from tests.helpers.ranks import TIMEOUT_S, clean_env, free_port
 FSDP_CHILD = r"""
 import sys, datetime
 import torch, torch.distributed as dist
-from cyclone_kit.spec import TrainConfig
+from cyclone_kit.config import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.train import place_model, wrap_model
@@ -90,9 +90,9 @@ while not got:
 def _launch_lines(profile: str = "local") -> str:
     """The lines the torchrun template runs before its srun (exports), from a real render of a
     node with 2 GPUs (2 workers)."""
-    from cyclone_kit.spec.job import spec_from_dict
-    from cyclone_kit.spec.profile import load_profile
-    from cyclone_kit.spec.validate import resolve
+    from cyclone_kit.config.job import spec_from_dict
+    from cyclone_kit.config.profile import load_profile
+    from cyclone_kit.config.validate import resolve
     from cyclone_kit.submit.render import render_script
 
     spec = spec_from_dict({"name": "t", "resources": {"profile": profile, "partition": "gpu", "nodes": 1,

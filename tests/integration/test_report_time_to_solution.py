@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
+from cyclone_kit.config.job import spec_from_dict
 from cyclone_kit.runtime import pgcheck
 from cyclone_kit.runtime.launch import end_record, time_to_solution_records
-from cyclone_kit.spec.job import spec_from_dict
 
 
 def test_a_time_to_solution_report_uses_wall_times_costs_solutions_and_refuses_copies(tmp_path) -> None:

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
+from cyclone_kit.config.job import spec_from_dict
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.toolbox import read_toml
+from cyclone_kit.config.validate import resolve
 from cyclone_kit.rundir.layout import create_run_dir, run_dir_name
 from cyclone_kit.slurm.states import JobState
-from cyclone_kit.spec.job import spec_from_dict
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.toolbox import read_toml
-from cyclone_kit.spec.validate import resolve
 from cyclone_kit.submit.submission import prepare_run_dir
 from tests.helpers.cli import REPO
 from tests.helpers.slurm_jobs import cancel_quietly, job_processes, parse_submit_output, read_records, wait_for

@@ -81,7 +81,7 @@ def test_warmup_then_cosine() -> None:
 
 
 def test_plan_epochs_override_steps_and_batch_arithmetic() -> None:
-    from cyclone_kit.spec.job import TrainConfig
+    from cyclone_kit.config.job import TrainConfig
 
     tc = TrainConfig(batch_size=32, grad_accum=2, epochs=3, lr=0.1, base_batch_size=256)
     plan = make_plan(tc, world_size=4, samples_per_rank=1000)
@@ -90,8 +90,8 @@ def test_plan_epochs_override_steps_and_batch_arithmetic() -> None:
 
 
 def test_plan_too_little_data_is_a_validation_error() -> None:
+    from cyclone_kit.config.job import TrainConfig
     from cyclone_kit.core.errors import ValidationError
-    from cyclone_kit.spec.job import TrainConfig
 
     with pytest.raises(ValidationError, match="fewer than one"):
         make_plan(TrainConfig(batch_size=64), world_size=2, samples_per_rank=10)
@@ -108,11 +108,11 @@ def test_resolve_precision(requested: str, kind: str, bf16: bool, expected: str)
 
 @pytest.mark.parametrize("strategy", ["pipeline"])  # pipeline has its own loop (runtime/engine.py), no model wrapper
 def test_unavailable_strategies_are_a_validation_error(strategy: str) -> None:
+    from cyclone_kit.config.job import TrainConfig
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.runtime.dist import DeviceChoice
     from cyclone_kit.runtime.models import TinyCNN
     from cyclone_kit.runtime.train import STRATEGIES, wrap_model
-    from cyclone_kit.spec.job import TrainConfig
 
     with pytest.raises(ValidationError, match="not available yet") as err:
         wrap_model(strategy, TinyCNN(), DeviceChoice("cpu", None, "cpu", "gloo"), TrainConfig(), distributed=True)
@@ -120,10 +120,10 @@ def test_unavailable_strategies_are_a_validation_error(strategy: str) -> None:
 
 
 def test_single_process_needs_no_wrapper() -> None:
+    from cyclone_kit.config.job import TrainConfig
     from cyclone_kit.runtime.dist import DeviceChoice
     from cyclone_kit.runtime.models import TinyCNN
     from cyclone_kit.runtime.train import wrap_model
-    from cyclone_kit.spec.job import TrainConfig
 
     model = TinyCNN()
     for strategy in ("ddp", "fsdp"):
@@ -131,7 +131,7 @@ def test_single_process_needs_no_wrapper() -> None:
 
 
 def test_ddp_static_graph_by_default_but_never_with_accumulation_or_compile() -> None:
-    from cyclone_kit.spec.job import TrainConfig
+    from cyclone_kit.config.job import TrainConfig
 
     assert use_static_graph(TrainConfig())
     assert not use_static_graph(TrainConfig(grad_accum=2))  # no_sync + static graph: reducer assert

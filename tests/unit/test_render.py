@@ -8,10 +8,10 @@ import os
 
 import pytest
 
+from cyclone_kit.config.job import spec_from_dict
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import spec_from_dict
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.validate import resolve
 from cyclone_kit.submit.render import render_script, sbatch_quote, shell_quote
 from tests.helpers.cli import REPO
 
