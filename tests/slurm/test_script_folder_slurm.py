@@ -47,6 +47,8 @@ SCRIPT = textwrap.dedent("""
         ckpt.write_text(str(done + n))
         print(f"folder_script: segment {segment} resumed from {done}, saved {done + n}", flush=True)
         if segment == 0 and Path("./requeue-me").exists():
+            while not all(Path(f"./out-0-rank{r}.json").exists() for r in range(int(os.environ["WORLD_SIZE"]))):
+                time.sleep(0.1)   # every rank has recorded the first segment before it is ended
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
             Path("./requeue-me").unlink()
             time.sleep(600)   # Slurm ends this segment (the requeue) and starts the job again
