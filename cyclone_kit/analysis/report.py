@@ -43,6 +43,7 @@ from cyclone_kit.analysis.honesty import (
     review,
 )
 from cyclone_kit.analysis.ingest import Ingested, MetricsWarning, load_runs
+from cyclone_kit.analysis.pipeline import pipeline_sections
 from cyclone_kit.analysis.scaling import (
     ScalingFit,
     compare_to_baselines,
@@ -352,6 +353,7 @@ def report_blocks(
     checks: Review | None = None,
     usage: pd.DataFrame | None = None,
     accounting_note: str = "",
+    pipeline: Sequence[Any] = (),
 ) -> list[Block]:
     """Build the report content (pure): setup, table, plots, fits, cost, baselines, problems.
 
@@ -367,6 +369,7 @@ def report_blocks(
         usage: device-hours and energy per run (:func:`cyclone_kit.analysis.cost.usage_table`);
             computed from the records when None.
         accounting_note: why sacct gave nothing ("" when it did or was not asked).
+        pipeline: the pipeline runs' sections (:func:`cyclone_kit.analysis.pipeline.pipeline_sections`).
 
     Returns:
         The blocks, in order, for :func:`render_markdown` and :func:`render_html`.
@@ -564,6 +567,9 @@ def report_blocks(
                 for _, r in timing.iterrows()
             ),
         ))
+
+    for section in pipeline:  # bubble per stage against (P-1)/(M+P-1), and the stage balance
+        blocks += [Heading(2, section.title), Paragraph(section.text), Table(section.header, section.rows)]
 
     ranks = data.ranks
     if not ranks.empty:
@@ -868,6 +874,7 @@ def write_report(
     blocks = report_blocks(
         data, table, fits, baseline_frame, title=title, generated=generated, plots_written=plots_written,
         checks=checks, usage=usage, accounting_note=accounting_note,
+        pipeline=pipeline_sections(data.runs["run_dir"]),
     )
     (out / "report.md").write_text(render_markdown(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, images), encoding="utf-8")

@@ -645,6 +645,7 @@ class _Loop:
                 warn(f"checkpoint {path.name} was written by a {state.get('strategy', 'ddp')} run: "
                      "weights restored, optimizer momentum restarts")
         self.scheduler.load_state_dict(state["scheduler"])
+        pck.sync_lr(self.optimizer, self.scheduler)
         if len(state.get("rng") or []) == self.env.world_size:
             ckpt.restore_rng(state["rng"][self.env.rank])
         if self.scaler is not None and "loss_scale" in state:

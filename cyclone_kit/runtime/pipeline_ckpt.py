@@ -128,3 +128,10 @@ def load_from_full(state: Mapping[str, Any], modules: Sequence[Any], optimizer: 
         if buf is not None:
             optimizer.state[p]["momentum_buffer"] = buf.to(p.device, p.dtype).clone()
     return True
+
+
+def sync_lr(optimizer: Any, scheduler: Any) -> None:
+    """Set the optimizer's learning rates to a just-restored scheduler's (a pipeline checkpoint
+    holds no torch optimizer state dict, which would otherwise carry them)."""
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr

@@ -39,8 +39,9 @@ class Block:
 
     @property
     def name(self) -> str:
-        """The block's name: its first named part (``layer2.0``, ``features.3``)."""
-        return next((p for p, _ in self.parts if p), "")
+        """The block's name: its first named part with parameters (``layer2.0``, ``features.3``, ``fc``)."""
+        named = [(p, m) for p, m in self.parts if p]
+        return next((p for p, m in named if any(True for _ in m.parameters())), named[0][0] if named else "")
 
     @property
     def num_params(self) -> int:

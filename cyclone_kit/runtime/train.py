@@ -570,6 +570,10 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    if state.get("optimizer_format") == "pipeline-dcp":
+        from cyclone_kit.runtime import pipeline_ckpt
+
+        pipeline_ckpt.sync_lr(optimizer, scheduler)
     if scaler is not None and "scaler" in state:
         scaler.load_state_dict(state["scaler"])
     rngs = state.get("rng") or []
