@@ -20,7 +20,10 @@ from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm.states import JobState
 from tests.slurm.test_faults import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+#: hang guard only (a broken job): 8 ResNet-18 ranks share 2 cores here; every wait is for an event
+HANG_S = 1200
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2 * HANG_S)]
 
 STEPS = 16
 COMMON = ("--nodes", "2", "--ntasks-per-node", "2", "--time", "20")
@@ -28,8 +31,6 @@ SETS = ("train.strategy=pipeline", "train.model=resnet18", "train.image_size=32"
         "train.microbatches=4", "train.log_every=1", f"train.steps={STEPS}", "train.val_samples=16")
 LAYOUTS = {"4 stages": ("train.pipeline_stages=4", "train.pipeline_schedule=gpipe"),
            "2x2": ("train.pipeline_stages=2", "train.pipeline_schedule=1f1b")}
-#: hang guard only (a broken job): 8 ResNet-18 ranks share 2 cores here; every wait is for an event
-HANG_S = 1200
 
 
 def _ends(run_dir: Path) -> list[dict[str, Any]]:
