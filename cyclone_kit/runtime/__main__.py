@@ -36,11 +36,11 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         CycloneError: invalid spec, environment or data (one line with a HINT).
         Exception: any training failure. In both cases the rank's error record is written first.
     """
+    from cyclone_kit.config.job import load_spec
     from cyclone_kit.rundir.failures import rank_guess
     from cyclone_kit.rundir.layout import RunDir
     from cyclone_kit.runtime.env import detect
-    from cyclone_kit.runtime.signals import StopFlag
-    from cyclone_kit.spec.job import load_spec
+    from cyclone_kit.runtime.signals import catch_stop_signals
 
     environ = os.environ
     run_dir = Path(run_dir)
@@ -48,7 +48,7 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
     try:
         spec = load_spec(Path(spec_path) if spec_path else RunDir(run_dir).spec)
         # Catch the requeue signal (and SIGTERM) before the slow imports below.
-        stop_flag = StopFlag(spec.checkpoint.signal).install()
+        stop_flag = catch_stop_signals(spec.checkpoint.signal)
         env = detect(environ)
         rank, host = env.rank, env.host or host
         from cyclone_kit.runtime.dist import teardown

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cyclone_kit.config.job import JobSpec
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.contract import pipeline_step_fields
 from cyclone_kit.runtime import metrics as mx
@@ -64,7 +65,7 @@ from cyclone_kit.runtime.plan import (
 )
 from cyclone_kit.runtime.session import Session, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
-from cyclone_kit.spec.job import PIPELINE_SCHEDULES, JobSpec
+from cyclone_kit.config.job import PIPELINE_SCHEDULES, JobSpec
 
 #: Stages each rank holds under the interleaved schedule.
 INTERLEAVED_VIRTUAL = 2
@@ -414,7 +415,6 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     t_start = time.perf_counter()
     tc, cc = spec.train, spec.checkpoint
     lay = layout(env.world_size, tc.pipeline_stages, tc.pipeline_schedule, tc.microbatches, tc.batch_size)
-    stop_flag = stop_flag or StopFlag(cc.signal).install()
     if tc.compile:
         warn("train.compile is ignored with strategy=pipeline")
     seed_everything(tc.seed)

@@ -31,7 +31,7 @@ NONE, STOP, REQUEUE = 0, 1, 2
 
 
 def signal_number(name: str) -> int:
-    """``"USR2"`` -> ``signal.SIGUSR2`` (names as in :data:`cyclone_kit.spec.job.SIGNALS`)."""
+    """``"USR2"`` -> ``signal.SIGUSR2`` (names as in :data:`cyclone_kit.config.job.SIGNALS`)."""
     return int(getattr(signal, f"SIG{name}"))
 
 
@@ -68,6 +68,15 @@ class StopFlag:
     def request(self, value: int = STOP) -> None:
         """Ask for a stop from code (e.g. a wall-time watchdog)."""
         self.value = max(self.value, value)
+
+
+def catch_stop_signals(requeue_signal: str = "USR2") -> StopFlag:
+    """Install the stop handlers (the requeue signal and SIGTERM) and return their flag.
+
+    The one way they are installed: by the session when it opens (:func:`~cyclone_kit.runtime.session.open_session`),
+    or earlier by the trainer's entry point, so that a signal during its slow imports is not lost.
+    """
+    return StopFlag(requeue_signal).install()
 
 
 class StopAgreement:

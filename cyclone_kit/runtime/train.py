@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cyclone_kit.config.job import JobSpec, TrainConfig
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
@@ -51,7 +52,6 @@ from cyclone_kit.runtime.plan import (
 )
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
-from cyclone_kit.spec.job import JobSpec, TrainConfig
 
 __all__ = ["STRATEGIES", "Strategy", "gather_hosts", "gather_to_main", "optimizer_step", "place_model", "strategy_for",
            "train", "unwrap", "use_static_graph", "wrap_model"]
@@ -267,7 +267,6 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     run_dir = Path(run_dir)
     tc, cc = spec.train, spec.checkpoint
     strategy = strategy_for(tc.strategy)
-    stop_flag = stop_flag or StopFlag(cc.signal).install()
     if strategy.prepare_env is not None:  # Horovod: hvd.init(); ranks, local rank (device) and side channel
         env = strategy.prepare_env(env, environ, tc.pg_timeout_s)
     seed_everything(tc.seed)

@@ -18,7 +18,7 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm.states import JobState
-from tests.slurm.test_faults import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
+from tests.helpers.slurm_jobs import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
 
 #: hang guard only (a broken job): 8 ResNet-18 ranks share 2 cores here; every wait is for an event
 HANG_S = 1200
