@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cyclone_kit.config.job import JobSpec
+from cyclone_kit.config.job import PIPELINE_SCHEDULES, JobSpec
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.contract import pipeline_step_fields
 from cyclone_kit.runtime import metrics as mx
@@ -65,7 +65,6 @@ from cyclone_kit.runtime.plan import (
 )
 from cyclone_kit.runtime.session import Session, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
-from cyclone_kit.config.job import PIPELINE_SCHEDULES, JobSpec
 
 #: Stages each rank holds under the interleaved schedule.
 INTERLEAVED_VIRTUAL = 2
