@@ -1,6 +1,6 @@
 """Strategies other than DDP, on 2 CPU ranks (gloo, 1 thread each): FSDP, the pipeline split, Horovod.
 
-The ranks are real ``python -m cyclone_kit.runtime`` processes (helpers from test_ddp); every
+The ranks are real ``python -m cyclone_kit.runtime`` processes (helpers from tests/helpers/ranks.py); every
 wait has a timeout. Same data, seed and steps under each strategy, so the losses must agree.
 """
 
@@ -158,6 +158,14 @@ def _pipeline_params(run: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
 
 
+def _run_pipeline_ranks(run: Path, world: int) -> list[tuple[int, str, str]]:
+    """The ranks on ``run``, under the module's hang guard (4 ranks on 2 busy cores need more than run_ranks')."""
+    results = finish(start_ranks(run, world), timeout=RUNS_HANG_S)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
+    return results
+
+
 def _copy_checkpoint(src: Path, run: Path, step: int) -> None:
     (run / "checkpoints").mkdir(parents=True)
     pt = ck.checkpoint_path(src / "checkpoints", step)
@@ -175,7 +183,7 @@ def test_pipeline_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[
     shutil.copy(src / "spec.json", run / "spec.json")
     state = ck.load_checkpoint(run / "checkpoints" / "ckpt-000000010.pt")
     assert state["optimizer_format"] == "pipeline-dcp" and state["pipeline"]["stages"] == 2
-    results = run_ranks(run, 4)
+    results = _run_pipeline_ranks(run, 4)
     assert "at step 10" in results[0][1]
     resumed = {r["step"]: r["loss"] for r in records(run, "step")}
     full = {r["step"]: r["loss"] for r in records(src, "step")}
@@ -190,7 +198,7 @@ def test_a_ddp_run_loads_the_pipeline_checkpoint(runs: dict[str, Path], tmp_path
     run = tmp_path / "ddp-from-pipeline"
     _copy_checkpoint(runs["pipeline"], run, 10)
     shutil.copy(runs["ddp"] / "spec.json", run / "spec.json")
-    results = run_ranks(run, 2)
+    results = _run_pipeline_ranks(run, 2)
     assert "at step 10" in results[0][1]
     resumed = {r["step"]: r["loss"] for r in records(run, "step")}
     ddp = {r["step"]: r["loss"] for r in records(runs["ddp"], "step")}
