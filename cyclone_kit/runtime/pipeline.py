@@ -193,6 +193,7 @@ class Clock:
         self.steps: list[tuple[Any, Any]] = []
 
     def mark(self) -> Any:
+        """A point in time: a recorded CUDA event, or the host clock."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -200,6 +201,7 @@ class Clock:
         return time.perf_counter()
 
     def add(self, start: Any, end: Any, step: bool = False) -> None:
+        """Count ``start`` .. ``end`` as compute, or (``step``) as a whole schedule step."""
         if self.cuda:
             (self.steps if step else self.events).append((start, end))
         elif step:
@@ -349,6 +351,7 @@ class _Pipe:
 
     @property
     def params(self) -> list[torch.Tensor]:
+        """The parameters of this rank's stages."""
         return [p for m in self.modules for p in m.parameters()]
 
 
