@@ -118,13 +118,14 @@ class Session:
 
     def log_window(self, step: int, epoch: int | None, loss: float | None, steps: int, elapsed_s: float,
                    data_s: float | None, global_samples: float, local_samples: float,
-                   phases: Mapping[str, float | None] | None = None) -> float:
+                   phases: Mapping[str, float | None] | None = None, **extra: Any) -> float:
         """Record a window of ``steps`` steps ending at ``step``: a ``step`` record (rank 0) and
         the window's rates (for the end record's steady state); returns the global samples/s.
 
         ``data_s`` is the window's data wait in seconds (None: not measured); ``phases``, when the
         step phases were timed, the per-step figures of :mod:`cyclone_kit.runtime.phases`
-        (``data_time_s`` and the contract's ``PHASE_FIELDS``), which take precedence."""
+        (``data_time_s`` and the contract's ``PHASE_FIELDS``), which take precedence; ``extra``:
+        more fields for the step record (the pipeline's per-stage times)."""
         elapsed_s = max(elapsed_s, 1e-9)
         n = max(steps, 1)
         rate = global_samples / elapsed_s
@@ -132,7 +133,7 @@ class Session:
         self.local_rates.append(local_samples / elapsed_s)
         per_step = dict(phases or {})
         data = per_step.pop("data_time_s", None if data_s is None else data_s / n)
-        self.write(mx.step_record(step, epoch, loss, elapsed_s / n, data, rate, mx.utc_now(), **per_step))
+        self.write(mx.step_record(step, epoch, loss, elapsed_s / n, data, rate, mx.utc_now(), **per_step, **extra))
         return rate
 
     # ------------------------------------------------------------------ stop
