@@ -232,6 +232,7 @@ class LaunchResult:
         interrupted: the launcher was interrupted (Ctrl-C / SIGTERM) and stopped the ranks.
         wall_time_s: seconds from the first start to the last exit.
         stop_s: seconds from the first failure (or interrupt) until every rank was gone.
+        record_error: why ``failure.json`` could not be written (a full disk), else None.
     """
 
     job_id: str
@@ -241,6 +242,7 @@ class LaunchResult:
     interrupted: bool
     wall_time_s: float
     stop_s: float | None = None
+    record_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -249,8 +251,13 @@ class LaunchResult:
 
     @property
     def returncode(self) -> int:
-        """0, 130 after an interrupt, else 1."""
-        return 0 if self.ok else (130 if self.interrupted and self.first_failure is None else 1)
+        """0, 130 after an interrupt, 2 when the first failed rank refused its input (exit code 2:
+        a one-line CycloneError, e.g. a refused resume), else 1."""
+        if self.ok:
+            return 0
+        if self.interrupted and self.first_failure is None:
+            return 130
+        return 2 if self.first_failure is not None and self.first_failure.returncode == 2 else 1
 
 
 def root_cause_line(failure: RankExit, error: Mapping[str, Any] | None = None) -> str:
@@ -312,8 +319,19 @@ def format_failure(result: LaunchResult) -> str:
         lines.append(f"rank {e.rank} on {e.host}: {e.how}" + (" (stopped by the launcher)" if e.stopped else ""))
     if result.stop_s is not None:
         lines.append(f"all ranks gone {result.stop_s:.1f} s after the first failure")
-    lines.append(f"failure record: {RunDir(result.run_dir).failure}")
+    if result.record_error:
+        lines.append(f"failure record not written: {result.record_error}")
+    else:
+        lines.append(f"failure record: {RunDir(result.run_dir).failure}")
     return "\n".join(lines)
+
+
+def record_submission(rd: RunDir, job_id: str, backend: str) -> None:
+    """Record a finished local launch in its run directory; on a full disk, say so on stderr instead."""
+    try:
+        rd.write_submission(job_id, backend)
+    except OSError as e:
+        sys.stderr.write(f"cyclone_kit: warning: could not record job {job_id} in {rd.path}: {e.strerror or e}\n")
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -469,7 +487,10 @@ def launch(
         stop_s=None if stop_began is None else max(e.elapsed_s for e in exits.values()) - (stop_began - started),
     )
     if not result.ok:
-        failures.write_failure(run_dir, failure_record(result))
+        try:
+            failures.write_failure(run_dir, failure_record(result))
+        except OSError as e:  # a full disk: say so, and still report the root cause
+            result = dataclasses.replace(result, record_error=f"{RunDir(run_dir).failure}: {e.strerror or e}")
     return result
 
 
@@ -624,7 +645,7 @@ class LocalBackend:
         rd.set_threads(threads)
         result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
                         grace_s=self.grace_s, command=rank_argv(job.spec, rd.path))
-        rd.write_submission(result.job_id, self.name)
+        record_submission(rd, result.job_id, self.name)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")
             raise RankFailure(

@@ -34,6 +34,10 @@ class ValidationError(CycloneError):
     """A spec, profile, flag or environment value is invalid."""
 
 
+class ResumeRefused(ValidationError):
+    """A run that should continue from a checkpoint found none it can load, and will not start over at step 0."""
+
+
 class ParseError(CycloneError):
     """Scheduler or file output could not be parsed; the raw text is in the message."""
 
@@ -64,6 +68,19 @@ class CommandError(CycloneError):
 
 class CommandNotFound(CommandError):
     """An external command (sbatch, scontrol, ...) is not on PATH."""
+
+
+class DiskFullError(CycloneError):
+    """A file could not be written because its file system is full (or over quota); the message
+    names the path, the space needed and the space free. Exit code 1: the run failed, the input was fine."""
+
+    exit_code = 1
+
+
+class TrainingDiverged(CycloneError):
+    """The loss was not finite (NaN or infinite) for more consecutive steps than the run allows."""
+
+    exit_code = 1
 
 
 class RankFailure(CycloneError):

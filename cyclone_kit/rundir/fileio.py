@@ -8,6 +8,7 @@ watchdog and the runtime import it without cost.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -61,3 +62,77 @@ def read_json(path: Path) -> Any:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+# --------------------------------------------------------------------------- a full disk
+#: errno values that mean "the file system has no room for this write" (full, or over quota).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` or an exception it was raised from says the disk is full or over quota.
+
+    torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc...]``
+    with the OSError chained below it (or only its text), so the whole chain is searched.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in NO_SPACE_ERRNOS:
+            return True
+        text = str(current)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``path`` (None when unknown)."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def size_text(n: int | None) -> str:
+    """``12.3 MiB``: a byte count for people (pure)."""
+    if n is None:
+        return "an unknown amount"
+    value = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} bytes"  # not reached
+
+
+def disk_full_message(what: str, path: Path, needed: int | None, free: int | None) -> str:
+    """``no space left on the device writing <what> <path>: it needs 1.2 MiB, 0 bytes free there`` (pure)."""
+    return (f"no space left on the device writing {what} {path}: it needs {size_text(needed)}, "
+            f"{size_text(free)} free there")
+
+
+def append_line(fd: int, line: bytes) -> None:
+    """Append one whole line to the file open (O_APPEND) as ``fd``, or nothing of it.
+
+    A short write (the disk filled up in the middle) is cut off again, so readers never see a
+    torn line; then the OSError (ENOSPC) is raised.
+    """
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        written = os.write(fd, line)
+        while written < len(line):
+            more = os.write(fd, line[written:])
+            if more == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written += more
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
