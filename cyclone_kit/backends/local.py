@@ -658,6 +658,10 @@ class LocalBackend:
         """What the run directory says: a foreground run has ended by the time anyone asks."""
         return run_dir_status(str(job), getattr(job, "run_dir", None))
 
+    def status_many(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """:meth:`status` of each job (run directories only: nothing to ask)."""
+        return {str(j): self.status(j) for j in jobs}
+
     def cancel(self, job: str) -> None:
         """A foreground run stops with Ctrl-C; afterwards there is nothing to cancel.
 

@@ -66,17 +66,18 @@ def test_steady_state_skips_warmup_and_takes_the_median() -> None:
     assert mx.steady_state([]) is None
 
 
-def test_writer_one_line_per_record_nan_as_null_and_repairs_a_cut_line(tmp_path: Path) -> None:
+def test_writer_one_line_per_record_nan_loss_as_its_name_and_repairs_a_cut_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind":"step","schema":1,"ste')  # a crash cut the last line
     w = mx.MetricsWriter(path)
-    w.write(mx.step_record(1, 0, float("nan"), 0.1, 0.01, 320.0, mx.utc_now()))
+    w.write(mx.step_record(1, 0, float("nan"), 0.1, 0.01, float("inf"), mx.utc_now()))
     w.write(mx.end_record("completed", 1, 320.0, 1.5, mx.utc_now()))
     w.close()
     lines = path.read_text().splitlines()
     assert len(lines) == 3
     step, end = json.loads(lines[1]), json.loads(lines[2])
-    assert step["kind"] == "step" and step["schema"] == 1 and step["loss"] is None
+    # The loss is recorded as what it was (JSON has no NaN); another non-finite number becomes null.
+    assert step["kind"] == "step" and step["schema"] == 1 and step["loss"] == "NaN" and step["samples_per_s"] is None
     assert end == {**end, "kind": "end", "status": "completed", "steps": 1}
 
 
@@ -149,3 +150,63 @@ def test_stop_agreement_two_ranks_poll_at_the_same_steps_and_stop_together(tmp_p
     steps = json.loads(polls)
     gaps = [b - a for a, b in itertools.pairwise(steps)]
     assert max(gaps) > 1, f"polls were not spaced out: {polls}"
+
+
+def test_loss_encoding_round_trips_and_type_errors_name_the_field() -> None:
+    from cyclone_kit.rundir import contract
+
+    for value, text in ((float("nan"), "NaN"), (float("inf"), "Infinity"), (float("-inf"), "-Infinity")):
+        assert contract.encode_loss(value) == text
+        decoded = contract.decode_loss(text)
+        assert decoded != decoded if text == "NaN" else decoded == value
+    assert contract.encode_loss(0.5) == 0.5 and contract.encode_loss(None) is None
+    assert contract.decode_loss("abc") is None and contract.decode_loss(True) is None
+    assert contract.type_error(contract.step_record(3, 0, float("nan"), 0.1, 0.0, 5.0, "t")) is None
+    assert contract.type_error({"kind": "step", "step": "abc"}) == "step field 'step' is 'abc', not an integer"
+    assert "not a number" in contract.type_error({"kind": "step", "step": 1, "loss": "high"})
+    assert "not an integer" in contract.type_error({"kind": "start", "world_size": 2.5})
+    assert contract.type_error({"kind": "end", "status": 3}) == "end field 'status' is 3, not a string"
+
+
+def test_a_full_disk_in_the_middle_of_a_line_leaves_no_torn_line(tmp_path: Path, monkeypatch) -> None:
+    """os.write that stores half a line and then fails (ENOSPC): the half is cut off again."""
+    import errno
+    import os
+
+    from cyclone_kit.core.errors import DiskFullError
+    from cyclone_kit.rundir import fileio
+
+    path = tmp_path / "metrics.jsonl"
+    w = mx.MetricsWriter(path)
+    w.write(mx.record("start", run_id="r"))
+    real_write, calls = os.write, []
+
+    def half_then_full(fd: int, data: bytes) -> int:
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fileio.os, "write", half_then_full)
+    with pytest.raises(DiskFullError, match=r"writing metrics .*metrics.jsonl: it needs \d+ bytes"):
+        w.write(mx.step_record(1, 0, 1.0, 0.1, 0.0, 5.0, mx.utc_now()))
+    monkeypatch.undo()
+    w.close()
+    assert [json.loads(x)["kind"] for x in path.read_text().splitlines()] == ["start"]
+    assert path.read_text().endswith("\n")
+
+
+def test_disk_full_is_found_in_a_chained_exception() -> None:
+    import errno
+
+    from cyclone_kit.rundir.fileio import is_disk_full, size_text
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 123") from inner
+    except RuntimeError as outer:
+        assert is_disk_full(outer)
+    assert not is_disk_full(RuntimeError("unexpected pos"))
+    assert (size_text(512), size_text(2048), size_text(3 << 20)) == ("512 bytes", "2.0 KiB", "3.0 MiB")
