@@ -268,10 +268,11 @@ def fresh_start_refusal(scan: Scan, folder: Path, *, resuming: bool, from_scratc
     if scan.found is not None or from_scratch:
         return None
     if scan.skipped:
-        reasons = "; ".join(f"{s.path.name}: {s.reason}" for s in scan.skipped)
-        return f"no checkpoint in {folder} can be loaded ({reasons}); refusing to start over at step 0"
+        reasons = "; ".join(f"{s.path.name}: {s.reason.split(':')[0]}" for s in scan.skipped)
+        return (f"refusing to start over at step 0: none of the {len(scan.skipped)} checkpoint(s) in {folder} "
+                f"can be loaded ({reasons})")
     if resuming:
-        return f"there is no checkpoint to resume from in {folder}; refusing to start over at step 0"
+        return f"refusing to start over at step 0: there is no checkpoint to resume from in {folder}"
     return None
 
 
