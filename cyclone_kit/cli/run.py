@@ -99,14 +99,13 @@ def run(args: argparse.Namespace) -> int:
                     command=rank_argv(job.spec, run_dir),
                     timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
                     extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
+    if not result.ok:  # the root cause first, then (on a full disk) why the run directory could not record it
+        sys.stderr.write((format_failure(result) if result.first_failure is not None else
+                          f"error: interrupted; every rank was stopped. HINT: see {rd.failure}") + "\n")
     record_submission(rd, result.job_id, LocalBackend.name)
     if result.ok:
         status = rd.end_status() or "ended"
         hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""
         print(f"{status} in {result.wall_time_s:.1f} s; metrics: {rd.metrics}{hint}")
         return 0
-    if result.first_failure is None:
-        sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {rd.failure}\n")
-        return result.returncode
-    sys.stderr.write(format_failure(result) + "\n")
     return result.returncode

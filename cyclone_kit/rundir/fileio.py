@@ -1,8 +1,9 @@
 """The package's one atomic writer (and its first-writer-wins variant) and a forgiving JSON reader.
 
 Every file a run directory holds is written through :func:`write_atomic` (readers never see
-half of it) or :func:`write_new` (several ranks race; the first one wins). Stdlib only: the
-watchdog and the runtime import it without cost.
+half of it) or :func:`write_new` (several ranks race; the first one wins). Stdlib and
+core.errors only: the watchdog and the runtime import it without cost. A full disk is reported
+as :class:`~cyclone_kit.core.errors.DiskFullError` (naming the path and the bytes needed).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.core.errors import DiskFullError
+
 #: The one mode of every file the package writes: read-write for the owner, readable by the group
 #: and others (teammates in a shared project directory read each other's runs), as a plain
 #: ``open()`` under the usual umask 022 gives. mkstemp's private 0600 is never kept.
@@ -22,18 +25,28 @@ FILE_MODE = 0o644
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write a file via temp file + fsync + rename, so readers never see half of it (mode :data:`FILE_MODE`)."""
+    """Write a file via temp file + fsync + rename, so readers never see half of it (mode :data:`FILE_MODE`).
+
+    Raises:
+        DiskFullError: the file system is full (an OSError too; the message names the path and the bytes).
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    raw = data.encode() if isinstance(data, str) else data
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            f.write(raw)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, DiskFullError) and is_disk_full(e):
+            raise DiskFullError(disk_full_message("file", path, len(raw), free_bytes(path.parent)),
+                                hint="free space on that file system") from None
         raise
 
 
