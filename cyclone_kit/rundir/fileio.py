@@ -13,8 +13,9 @@ import errno
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from cyclone_kit.core.errors import DiskFullError
 
@@ -24,28 +25,48 @@ from cyclone_kit.core.errors import DiskFullError
 FILE_MODE = 0o644
 
 
+@contextlib.contextmanager
+def atomic_file(path: Path, *, fsync_dir: bool = False) -> Iterator[IO[bytes]]:
+    """A binary file that becomes ``path`` only when the block ends without an error.
+
+    Written to a temporary file in the same directory (mode :data:`FILE_MODE`), flushed, fsync'ed
+    and renamed into place; on any error the temporary file is removed and ``path`` is untouched.
+    ``fsync_dir`` also fsyncs the directory, so the rename survives a crash of the node.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if fsync_dir:
+        with contextlib.suppress(OSError):  # some file systems refuse to fsync a directory
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write a file via temp file + fsync + rename, so readers never see half of it (mode :data:`FILE_MODE`).
 
     Raises:
         DiskFullError: the file system is full (an OSError too; the message names the path and the bytes).
     """
-    path = Path(path)
     raw = data.encode() if isinstance(data, str) else data
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(path) as f:
             f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError) and not isinstance(e, DiskFullError) and is_disk_full(e):
-            raise DiskFullError(disk_full_message("file", path, len(raw), free_bytes(path.parent)),
+    except OSError as e:
+        if not isinstance(e, DiskFullError) and is_disk_full(e):
+            raise DiskFullError(disk_full_message("file", Path(path), len(raw), free_bytes(Path(path).parent)),
                                 hint="free space on that file system") from None
         raise
 

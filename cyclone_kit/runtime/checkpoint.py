@@ -17,11 +17,9 @@ reason, and the previous checkpoint is loaded instead (:func:`scan_latest`).
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from typing import Any
 import torch
 
 from cyclone_kit.core.errors import DiskFullError
-from cyclone_kit.rundir.fileio import FILE_MODE, disk_full_message, free_bytes, is_disk_full, write_atomic
+from cyclone_kit.rundir.fileio import atomic_file, disk_full_message, free_bytes, is_disk_full, write_atomic
 
 FORMAT = 1
 #: The key under which a checkpoint written through the public API (``ck.save_checkpoint``) holds the script's dict.
@@ -142,30 +140,21 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
     """
     folder = Path(folder)
     final = checkpoint_path(folder, step)
-    tmp: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
-        os.fchmod(fd, FILE_MODE)  # group-readable like every run-directory file (cyclone_kit.rundir.fileio)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(final, fsync_dir=True) as f:
             out = _Hashing(f)
             torch.save({"format": FORMAT, **state}, out)
-            f.flush()
-            os.fsync(f.fileno())
-        write_atomic(digest_path(final), f"{out.sha.hexdigest()}  {final.name}\n")
-        os.replace(tmp, final)
-    except BaseException as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, Exception) and is_disk_full(e):
-            digest_path(final).unlink(missing_ok=True)
-            raise DiskFullError(
-                disk_full_message("checkpoint", final, serialized_size(state), free_bytes(folder))
-                + f"; the older checkpoints are intact ({len(list_checkpoints(folder))} in {folder})",
-                hint=f"free space there (or lower checkpoint.keep, now {keep}), then run the job again: "
-                     "it resumes from the newest checkpoint") from None
-        raise
-    _fsync_dir(folder)
+            write_atomic(digest_path(final), f"{out.sha.hexdigest()}  {final.name}\n")  # before the rename
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        digest_path(final).unlink(missing_ok=True)
+        raise DiskFullError(
+            disk_full_message("checkpoint", final, serialized_size(state), free_bytes(folder))
+            + f"; the older checkpoints are intact ({len(list_checkpoints(folder))} in {folder})",
+            hint=f"free space there (or lower checkpoint.keep, now {keep}), then run the job again: "
+                 "it resumes from the newest checkpoint") from None
     for _, old in list_checkpoints(folder)[keep:]:
         old.unlink(missing_ok=True)
         digest_path(old).unlink(missing_ok=True)
@@ -316,15 +305,3 @@ def _py_state(state: tuple[Any, ...]) -> list[Any]:
     version, internal, gauss = state
     return [version, list(internal), gauss]
 
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
