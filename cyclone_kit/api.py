@@ -178,7 +178,7 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, max
                             hint="e.g. max_nonfinite_steps=20 (0: never stop)")
     t_start = time.perf_counter()
     environ = os.environ
-    from cyclone_kit.spec.job import CheckpointConfig
+    from cyclone_kit.config.job import CheckpointConfig
 
     given = run_dir if run_dir is not None else environ.get("CYCLONE_RUN_DIR") or None
     folder = Path(given).absolute() if given else None
@@ -366,8 +366,8 @@ def _env_log_every(environ: Mapping[str, str], var: str = LOG_EVERY_VAR, least: 
 def _spec_settings(run_dir: Path) -> tuple[Any, int | None, int]:
     """(``[checkpoint]`` as a CheckpointConfig, ``train.log_every`` or None, ``train.max_nonfinite_steps``)
     from ``run_dir/spec.json``."""
+    from cyclone_kit.config.job import CheckpointConfig, spec_from_dict
     from cyclone_kit.rundir.layout import RunDir
-    from cyclone_kit.spec.job import CheckpointConfig, spec_from_dict
 
     path = RunDir(run_dir).spec
     if not path.is_file():
