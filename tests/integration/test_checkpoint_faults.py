@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from cyclone_kit.runtime import checkpoint as ckpt
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 from tests.helpers.disk import small_disk
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.rundir.layout import RunDir
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
