@@ -55,7 +55,12 @@ def resume_env(args: argparse.Namespace) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
     from cyclone_kit.backends.local import LocalBackend, local_job
+<<<<<<< HEAD
     from cyclone_kit.backends.srun_emulator import format_failure, launch, record_submission
+=======
+    from cyclone_kit.backends.local_env import working_directory
+    from cyclone_kit.backends.srun_emulator import format_failure, launch
+>>>>>>> main
     from cyclone_kit.config.job import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.config.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
     from cyclone_kit.core.errors import ValidationError
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {rd.logs}", flush=True)
     result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
-                    command=rank_argv(job.spec, run_dir),
+                    command=rank_argv(job.spec, run_dir), cwd=working_directory(job.spec),
                     timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
                     extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
     if not result.ok:  # the root cause first, then (on a full disk) why the run directory could not record it
@@ -108,5 +113,7 @@ def run(args: argparse.Namespace) -> int:
         status = rd.end_status() or "ended"
         hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""
         print(f"{status} in {result.wall_time_s:.1f} s; metrics: {rd.metrics}{hint}")
+        if rd.script_warning():
+            print(f"warning: {rd.script_warning()}")
         return 0
     return result.returncode
