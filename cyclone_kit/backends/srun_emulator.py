@@ -309,13 +309,8 @@ def launch(
                 out = open(rd.rank_log(rank, "out"), "ab")  # noqa: SIM115 (closed in finally)
                 err = open(rd.rank_log(rank, "err"), "ab")  # noqa: SIM115
                 files += [out, err]
-<<<<<<< HEAD
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, env=env,
-                                        start_new_session=True)
-=======
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
                                         start_new_session=True, cwd=cwd)
->>>>>>> main
                 procs.append(proc)
                 assert proc.stderr is not None
                 pumps.append(_ErrPump(proc.stderr, err))

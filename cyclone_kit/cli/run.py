@@ -55,12 +55,8 @@ def resume_env(args: argparse.Namespace) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
     from cyclone_kit.backends.local import LocalBackend, local_job
-<<<<<<< HEAD
-    from cyclone_kit.backends.srun_emulator import format_failure, launch, record_submission
-=======
     from cyclone_kit.backends.local_env import working_directory
-    from cyclone_kit.backends.srun_emulator import format_failure, launch
->>>>>>> main
+    from cyclone_kit.backends.srun_emulator import format_failure, launch, record_submission
     from cyclone_kit.config.job import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.config.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
     from cyclone_kit.core.errors import ValidationError

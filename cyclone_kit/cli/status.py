@@ -49,12 +49,8 @@ def run(args: argparse.Namespace) -> int:
         if not found:
             raise ValidationError(f"no runs found under {args.runs_dir!r}",
                                   hint="give a job id, a run directory or a study directory")
-<<<<<<< HEAD
         rows = lookup.run_rows(found)
-=======
-        rows = [lookup.run_row(p) for p in found]
         runs = found
->>>>>>> main
     for row in rows:
         if row.root_cause:
             print(f"root cause ({row.job_id} {row.name}): {row.root_cause}")
