@@ -146,6 +146,37 @@ class SlurmBackend:
             "MinJobAge seconds unless accounting (sacct) is enabled",
         )
 
+    def status_many(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """The :class:`JobInfo` of every job Slurm knows among ``job_ids``, in two calls at most.
+
+        One ``squeue`` for all of them (whatever the controller still holds), then one ``sacct``
+        for those it no longer holds; a job neither knows is left out (the caller falls back to
+        its run directory). The cost does not grow with the number of runs (``status --runs-dir``).
+
+        Raises:
+            ValidationError: an id is not a job id.
+            SlurmError: Slurm cannot be reached (squeue fails for another reason than unknown ids).
+        """
+        ids = list(dict.fromkeys(slurm_argv.check_job_id(str(j)) for j in job_ids))
+        found: dict[str, JobInfo] = {}
+        for build, parse, needed in ((slurm_argv.squeue, parse_squeue, True), (slurm_argv.sacct, parse_sacct, False)):
+            missing = [j for j in ids if j not in found]
+            if not missing:
+                break
+            result = self._run(build(missing))
+            err = result.stderr.strip()
+            if not result.ok:
+                if _INVALID_ID in err or (_NO_ACCOUNTING in err and not needed):
+                    continue  # none of them known here (one unknown id alone makes squeue fail)
+                raise SlurmError(f"cannot get the status of {len(missing)} job(s): "
+                                 f"{build(missing)[0]}: {_first_line(err or result.stdout)}", hint=_CONTROLLER_HINT)
+            records = parse(result.stdout)
+            for job_id in missing:
+                info = select_job(job_id, records)
+                if info is not None:
+                    found[job_id] = info
+        return found
+
     def cancel(self, job_id: str) -> None:
         """Cancel the job (all tasks of an array job when given the parent id).
 

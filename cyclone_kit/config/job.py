@@ -100,6 +100,7 @@ class TrainConfig:
     pipeline_stages: int = 0  # ranks per pipeline (0: all); world / pipeline_stages data-parallel replicas
     pipeline_schedule: str = "gpipe"
     fp16_allreduce: bool = False
+    max_nonfinite_steps: int = 0  # stop after this many consecutive steps with a NaN/inf loss (0: never)
 
     def __post_init__(self) -> None:
         check_choice("train.model", self.model, MODELS)
@@ -111,7 +112,8 @@ class TrainConfig:
         for name in ("image_size", "num_classes", "batch_size", "base_batch_size", "grad_accum", "log_every",
                      "bucket_cap_mb", "pg_timeout_s", "microbatches", "synthetic_samples"):
             check_positive(f"train.{name}", getattr(self, name))
-        for name in ("steps", "epochs", "warmup_steps", "val_every_epochs", "val_samples", "seed", "pipeline_stages"):
+        for name in ("steps", "epochs", "warmup_steps", "val_every_epochs", "val_samples", "seed", "pipeline_stages",
+                     "max_nonfinite_steps"):
             check_non_negative(f"train.{name}", getattr(self, name))
         if self.steps == 0 and self.epochs == 0:
             raise ValidationError("train.steps and train.epochs are both 0", hint="set train.steps=N or train.epochs=N")

@@ -264,6 +264,10 @@ class RunDir:
         """The last ``end`` record in ``metrics.jsonl`` (None if there is none)."""
         return last_end_record(self.metrics)
 
+    def start_record(self) -> dict[str, Any] | None:
+        """The last ``start`` record in ``metrics.jsonl`` (None if there is none)."""
+        return last_record(self.metrics, "start")
+
     def newest_checkpoint(self) -> Path | None:
         """The checkpoint written last (None when there is none)."""
         found = [p for p in self.checkpoints.glob("*") if not p.name.startswith(".")] if self.checkpoints.is_dir() else []
@@ -418,6 +422,11 @@ def is_run_dir(path: Path) -> bool:
 
 def last_end_record(metrics: Path) -> dict[str, Any] | None:
     """The last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
+    return last_record(metrics, "end")
+
+
+def last_record(metrics: Path, kind: str) -> dict[str, Any] | None:
+    """The last record of ``kind`` in a ``metrics.jsonl`` (None if there is none)."""
     found = None
     try:
         lines = Path(metrics).read_text(encoding="utf-8", errors="replace").splitlines()
@@ -428,7 +437,7 @@ def last_end_record(metrics: Path) -> dict[str, Any] | None:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("kind") == "end":
+        if isinstance(rec, dict) and rec.get("kind") == kind:
             found = rec
     return found
 

@@ -423,6 +423,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     # The engine's set-up path (threads, device, process group, hosts, stop agreement): the public API's.
     session = open_session(env, environ, Path(run_dir), cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
                            t_start=t_start, group_for_one=True)
+    session.max_nonfinite_steps = tc.max_nonfinite_steps
     device = session.device
     dev = torch.device(device.torch_device)
     configure_backends(tc, device.kind)

@@ -273,6 +273,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     # Threads, device, process group (Horovod: a gloo one of the engine's own), hosts, stop agreement.
     session = open_session(env, environ, run_dir, cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
                            t_start=t_start, backend=strategy.pg_backend)
+    session.max_nonfinite_steps = tc.max_nonfinite_steps
     device, distributed = session.device, session.distributed
     dev = torch.device(device.torch_device)
     configure_backends(tc, device.kind)  # deterministic, or cudnn.benchmark on CUDA (shared with the pipeline)
