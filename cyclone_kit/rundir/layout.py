@@ -168,6 +168,23 @@ class RunDir:
         """Every rank's error record, in rank order."""
         return sorted(self.ranks.glob("error-rank-*.json"))
 
+    def progress_record(self, rank: int) -> Path:
+        """``ranks/progress-rank-NNNNN.json``: a rank's progress record (:mod:`cyclone_kit.runtime.progress`)."""
+        return self.ranks / f"progress-rank-{rank:05d}.json"
+
+    def progress_records(self) -> list[Path]:
+        """Every rank's progress record, in rank order."""
+        return sorted(self.ranks.glob("progress-rank-*.json"))
+
+    def past_failure(self, segment: str) -> Path:
+        """``ranks/failure-SEGMENT.json``: the failure record of an earlier segment of a requeued run."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in segment)
+        return self.ranks / f"failure-{safe}.json"
+
+    def past_failures(self) -> list[Path]:
+        """The failure records of earlier segments."""
+        return sorted(self.ranks.glob("failure-*.json"))
+
     # ------------------------------------------------------------------ reads and writes
     def is_run_dir(self) -> bool:
         """A run directory holds the resolved ``spec.json``."""

@@ -457,6 +457,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
                           f"step {elapsed / window_steps * 1000:.1f} ms {rate:.1f} samples/s", flush=True)
                 loss_sum = torch.zeros((), device=dev)
                 window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
+            session.progress(step)  # the progress watchdog
             agreed = session.poll(step)
             if agreed != NONE:
                 break
@@ -487,28 +488,35 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
 @torch.no_grad()
 def _end_epoch(session: Session, stage: Stage, data: Any, shape: Sequence[int], microbatches: int, epoch: int,
                seconds: float, validate: bool, dev: torch.device) -> None:
-    env, distributed = session.env, session.distributed
+    env = session.env
     accuracy = None
     if validate and data.val is not None:
-        module = stage.module
-        module.eval()
-        counts = torch.zeros(2, dtype=torch.float64, device=dev)
-        data.val.set_epoch(0)
-        for x, y in data.val:  # every stage iterates the same (unsharded) validation batches
-            logits = pipeline_forward(stage, x, microbatches, shape)
-            if logits is not None:
-                counts[0] += (logits.argmax(1) == y).sum()
-                counts[1] += y.numel()
-        module.train()
-        if distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        correct, total = counts.tolist()
-        accuracy = correct / total if total else None
+        with session.not_a_step():  # the progress watchdog does not count validation as a step
+            accuracy = _validate(session, stage, data, shape, microbatches, dev)
     session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
     if env.is_main and accuracy is not None:
         print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
+
+
+def _validate(session: Session, stage: Stage, data: Any, shape: Sequence[int], microbatches: int,
+              dev: torch.device) -> float | None:
+    """Validation accuracy over every stage (the last stage counts, all reduce)."""
+    module = stage.module
+    module.eval()
+    counts = torch.zeros(2, dtype=torch.float64, device=dev)
+    data.val.set_epoch(0)
+    for x, y in data.val:  # every stage iterates the same (unsharded) validation batches
+        logits = pipeline_forward(stage, x, microbatches, shape)
+        if logits is not None:
+            counts[0] += (logits.argmax(1) == y).sum()
+            counts[1] += y.numel()
+    module.train()
+    if session.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    correct, total = counts.tolist()
+    return correct / total if total else None
 
 
 class _State:

@@ -388,6 +388,7 @@ class _Loop:
                 self._log(step, epoch, loss_sum, window)
                 loss_sum = torch.zeros((), device=self.dev)
                 window = _Window(time.perf_counter())
+            session.progress(step)  # the progress watchdog
             agreed = session.poll(step)
             if agreed != NONE:
                 break
@@ -441,7 +442,8 @@ class _Loop:
                       f"{global_rate:.1f} samples/s", flush=True)
 
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
-        accuracy = self._validate() if validate and self.data.val is not None else None
+        with self.session.not_a_step():
+            accuracy = self._validate() if validate and self.data.val is not None else None
         self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
         if self.env.is_main and accuracy is not None:
             print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
