@@ -363,3 +363,16 @@ class RunDirRecords:
             if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
                 out[rec["rank"]] = rec
         return out
+
+
+def mark_exited(run_dir: Path, rank: int, pid: int, returncode: int) -> None:
+    """The rank's parent saw it exit: its progress record (if it is that process's) says so.
+
+    A rank whose record still says ``running`` after its step ended vanished together with its
+    parent (see :func:`cyclone_kit.runtime.stepwatch.vanished`).
+    """
+    records = RunDirRecords(run_dir)
+    rec = records.read_all().get(rank)
+    if isinstance(rec, dict) and rec.get("pid") == pid and rec.get("state") == "running":
+        with contextlib.suppress(OSError):
+            records.write(rank, {**rec, "state": "exited", "exit_code": returncode, "beat_time": time.time()})
