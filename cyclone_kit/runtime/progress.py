@@ -94,8 +94,8 @@ def check_interval(bound: float | None) -> float:
 
 
 def beat_interval(bound: float | None) -> float:
-    """Seconds between progress-record writes: a quarter of the bound, within 1-15 s (pure)."""
-    return 5.0 if bound is None else min(15.0, max(1.0, bound / 4))
+    """Seconds between progress-record writes: a tenth of the bound, within 1-5 s (pure)."""
+    return 2.0 if bound is None else min(5.0, max(1.0, bound / 10))
 
 
 def settle_time(bound: float | None) -> float:
@@ -129,6 +129,25 @@ def choose_stuck(records: Mapping[int, Mapping[str, Any] | None], world_size: in
         return []
     least = min(keys.values())
     return [rank for rank, key in keys.items() if key == least]
+
+
+#: Seconds kept between a collective's timeout and the job's end.
+END_MARGIN_S = 60
+
+
+def collective_timeout(pg_timeout_s: int, end_time: str | None, now: float) -> int:
+    """The process group's timeout: ``pg_timeout_s``, but below the job's remaining wall time (pure).
+
+    ``end_time`` is ``$CYCLONE_JOB_END_TIME`` (Unix seconds; None or unparsable: unknown). A
+    collective that waits for a dead or hung peer then fails while there is time to requeue.
+    """
+    try:
+        remaining = float(end_time) - now if end_time else None
+    except ValueError:
+        remaining = None
+    if remaining is None:
+        return pg_timeout_s
+    return int(max(30, min(pg_timeout_s, remaining - END_MARGIN_S)))
 
 
 def describe_bound(rec: Mapping[str, Any]) -> str:
@@ -221,13 +240,15 @@ class ProgressWatch:
         on_stall: called once on a stall with ``(stuck ranks, records, own record)`` before this
             rank leaves; it writes the error record and ``failure.json`` and may requeue.
         exit: how a stalled rank leaves (default ``os._exit``; tests pass their own).
+        settle_s: seconds to wait for the peers' records (default :func:`settle_time`).
     """
 
     def __init__(self, records: Any, rank: int, world_size: int, host: str, policy: StallPolicy, segment: str,
                  on_stall: Callable[[list[int], dict[int, Any], dict[str, Any]], None],
-                 exit: Callable[[int], None] = os._exit) -> None:
+                 exit: Callable[[int], None] = os._exit, settle_s: float | None = None) -> None:
         self.records, self.rank, self.world_size, self.host = records, rank, world_size, host
         self.policy, self.segment, self.on_stall, self._exit = policy, segment, on_stall, exit
+        self.settle_s = settle_s
         self.step: int | None = None
         self._t_last = time.monotonic()
         self._wall_last = time.time()
@@ -310,7 +331,7 @@ class ProgressWatch:
         frames, where = main_thread_frames()
         own = self.record("stalled", waiting=waiting_for_peers(frames), where=where, stack=dump_stacks())
         self._write(own)
-        deadline = time.monotonic() + settle_time(self.bound())
+        deadline = time.monotonic() + (settle_time(self.bound()) if self.settle_s is None else self.settle_s)
         records: dict[int, Any] = {}
         while time.monotonic() < deadline:
             records = self.current_records()

@@ -35,7 +35,7 @@ from cyclone_kit.core.errors import CommandError, ValidationError
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
 from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.runtime.progress import END_TIME_VAR, STEPWATCH_VAR
+from cyclone_kit.runtime.progress import END_TIME_VAR, STEPWATCH_VAR, collective_timeout
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
 from cyclone_kit.spec.job import CheckpointConfig
 
@@ -323,25 +323,6 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
                       hostnames=gather_hosts(host, env.is_distributed), t_start=t_start)
     session.agreement = StopAgreement(stop_flag, env.is_distributed, interval_s=cc.poll_s)
     return session
-
-
-#: Seconds kept between a collective's timeout and the job's end.
-END_MARGIN_S = 60
-
-
-def collective_timeout(pg_timeout_s: int, end_time: str | None, now: float) -> int:
-    """The process group's timeout: ``pg_timeout_s``, but below the job's remaining wall time (pure).
-
-    ``end_time`` is ``$CYCLONE_JOB_END_TIME`` (Unix seconds; None or unparsable: unknown). A
-    collective that waits for a dead or hung peer then fails while there is time to requeue.
-    """
-    try:
-        remaining = float(end_time) - now if end_time else None
-    except ValueError:
-        remaining = None
-    if remaining is None:
-        return pg_timeout_s
-    return int(max(30, min(pg_timeout_s, remaining - END_MARGIN_S)))
 
 
 def start_watch(session: Session) -> Any:

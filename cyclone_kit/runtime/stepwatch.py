@@ -102,9 +102,10 @@ def lost_line(lost: Sequence[int], view: SegmentView) -> str:
     """The root cause when ranks vanished (pure)."""
     hosts = sorted({str(view.progress[r].get("host", "?")) for r in lost})
     steps = [view.progress[r].get("step") for r in lost]
-    line = (f"rank(s) {', '.join(map(str, lost))} on host {', '.join(hosts)} vanished after step "
-            f"{max((s for s in steps if isinstance(s, int)), default='?')}: their processes died without a record "
-            f"(node {', '.join(hosts)} lost its processes?)")
+    last = max((s for s in steps if isinstance(s, int)), default=None)
+    when = f"after step {last}" if last is not None else "before their first step"
+    line = (f"rank(s) {', '.join(map(str, lost))} on host {', '.join(hosts)} vanished {when}: their processes "
+            f"died without a record (node {', '.join(hosts)} lost its processes?)")
     others = sorted(r for r in view.errors if r not in lost)
     if others:
         line += f"; then {failures.format_error_record(view.errors[others[0]])}"
