@@ -54,6 +54,7 @@ LAUNCH_FILE = "launch.json"
 FAILURE_FILE = "failure.json"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
+PROGRESS_DIR = "progress"  # the ranks' progress records (cyclone_kit/runtime/progress.py)
 SUBMITIT_DIR = "submitit"
 SUBMITIT_JOB_FILE = "submitit_job"
 SWEEP_FILE = "sweep.json"
@@ -168,13 +169,18 @@ class RunDir:
         """Every rank's error record, in rank order."""
         return sorted(self.ranks.glob("error-rank-*.json"))
 
+    @property
+    def progress(self) -> Path:
+        """``RUN_DIR/progress``: the ranks' progress records."""
+        return self.path / PROGRESS_DIR
+
     def progress_record(self, rank: int) -> Path:
-        """``ranks/progress-rank-NNNNN.json``: a rank's progress record (:mod:`cyclone_kit.runtime.progress`)."""
-        return self.ranks / f"progress-rank-{rank:05d}.json"
+        """``progress/rank-NNNNN.json``: a rank's progress record (:mod:`cyclone_kit.runtime.progress`)."""
+        return self.progress / f"rank-{rank:05d}.json"
 
     def progress_records(self) -> list[Path]:
         """Every rank's progress record, in rank order."""
-        return sorted(self.ranks.glob("progress-rank-*.json"))
+        return sorted(self.progress.glob("rank-*.json"))
 
     def past_failure(self, segment: str) -> Path:
         """``ranks/failure-SEGMENT.json``: the failure record of an earlier segment of a requeued run."""

@@ -12,7 +12,7 @@ after every optimizer step: the built-in engines and ``ck.log_step`` call it thr
   ``checkpoint.stall_factor``, default 20), armed once :data:`MIN_STEPS` steps were timed (the
   start-up is covered by the process-group timeout); checkpoints and validation are not steps
   and are excluded (:meth:`ProgressWatch.paused`);
-* every few seconds it writes this rank's **progress record** (``ranks/progress-rank-N.json``:
+* every few seconds it writes this rank's **progress record** (``progress/rank-N.json``:
   step, time of the last step, bound, state), read by its peers and by the batch host's step
   watcher (:mod:`cyclone_kit.runtime.stepwatch`);
 * when this rank made no step for longer than the bound, it dumps every thread's Python stack
@@ -359,7 +359,7 @@ class ProgressWatch:
 
 
 class RunDirRecords:
-    """Progress records as files of a run directory (``ranks/progress-rank-N.json``)."""
+    """Progress records as files of a run directory (``progress/rank-N.json``)."""
 
     def __init__(self, run_dir: Path) -> None:
         from cyclone_kit.rundir.layout import RunDir

@@ -58,8 +58,8 @@ def _failure(run_dir: Path) -> dict[str, Any]:
 
 def _ended_in_time(run_dir: Path, stuck: int) -> float:
     """Seconds from the stuck rank's last step to failure.json; asserted within its bound + slack."""
-    progress = json.loads((run_dir / "ranks" / f"progress-rank-{stuck:05d}.json").read_text())
-    waiter = json.loads((run_dir / "ranks" / f"progress-rank-{1 - stuck:05d}.json").read_text())
+    progress = json.loads((run_dir / "progress" / f"rank-{stuck:05d}.json").read_text())
+    waiter = json.loads((run_dir / "progress" / f"rank-{1 - stuck:05d}.json").read_text())
     bound = waiter["bound_s"]
     assert bound is not None and bound >= FLOOR_S, waiter
     took = _when(_failure(run_dir)["time"]) - progress["progress_time"]
@@ -106,7 +106,7 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path) -> No
             dirs = [p for p in tmp_path.iterdir() if (p / "launch.json").is_file()]
             if dirs:
                 run_dir = dirs[0]
-                progress = run_dir / "ranks" / "progress-rank-00001.json"
+                progress = run_dir / "progress" / "rank-00001.json"
                 rec = json.loads(progress.read_text()) if progress.is_file() else {}
                 if rec.get("bound_s"):  # armed: rank 1 has timed its steps
                     pid = json.loads((run_dir / "launch.json").read_text())["ranks"][1]["pid"]
