@@ -483,6 +483,10 @@ class _Loop:
         return torch.zeros(1, info.channels, info.image_size, info.image_size, device=self.dev)
 
     def _checkpoint(self, step: int, epoch: int) -> None:
+        with self.session.not_a_step():  # gathering, sharded writes and the file: no step for the watchdog
+            self._write_checkpoint(step, epoch)
+
+    def _write_checkpoint(self, step: int, epoch: int) -> None:
         rngs = self.session.gather_to_main(ckpt.capture_rng())
         model_state: Any = None
         optim_state: Any = None
