@@ -251,7 +251,6 @@ class ProgressWatch:
         self.settle_s = settle_s
         self.step: int | None = None
         self._t_last = time.monotonic()
-        self._wall_last = time.time()
         self._intervals: deque[float] = deque(maxlen=WINDOW)
         self._paused = 0
         self._stop = threading.Event()
@@ -265,7 +264,7 @@ class ProgressWatch:
         now = time.monotonic()
         if self.step is not None and step > self.step and not self._paused:
             self._intervals.append((now - self._t_last) / (step - self.step))
-        self.step, self._t_last, self._wall_last = step, now, time.time()
+        self.step, self._t_last = step, now
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -302,9 +301,10 @@ class ProgressWatch:
     def record(self, state: str, **extra: Any) -> dict[str, Any]:
         """This rank's progress record now."""
         bound, intervals = self.bound(), list(self._intervals)
+        idle = time.monotonic() - self._t_last
         return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "segment": self.segment, "state": state,
-                "step": self.step, "progress_time": self._wall_last, "beat_time": time.time(),
-                "idle_s": round(time.monotonic() - self._t_last, 3), "bound_s": bound,
+                "step": self.step, "progress_time": time.time() - idle, "beat_time": time.time(),
+                "idle_s": round(idle, 3), "bound_s": bound,
                 "median_step_s": statistics.median(intervals) if intervals else None,
                 "floor_s": self.policy.floor_s, "factor": self.policy.factor, **extra}
 
