@@ -206,7 +206,7 @@ fsdp_channels_last() {
   timeout -k 10 "$1" "$PY" - "$DEVICE" "$MODEL" "$SIZE" "$CLASSES" "$FSDP_BATCH" "$FSDP_STEPS" <<'PYEOF'
 import datetime, socket, sys, time
 import torch, torch.distributed as dist
-from cyclone_kit.spec import TrainConfig
+from cyclone_kit.config import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.train import place_model, wrap_model
