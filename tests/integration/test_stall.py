@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 

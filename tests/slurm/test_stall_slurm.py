@@ -31,7 +31,7 @@ from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.runtime import stepwatch
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 from tests.helpers.node_faults import kill_node_processes, node_processes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
