@@ -209,12 +209,13 @@ def _requeue(environ: Mapping[str, str], run_dir: Path, cause: str) -> bool:
     if restarts >= limit:
         _say(f"the step ended ({cause}); already requeued {restarts} time(s) (checkpoint.max_requeues={limit})")
         return False
+    # said first: Slurm ends this batch script as soon as the requeue is accepted
+    _say(f"the step ended ({cause}): requeue {restarts + 1} of at most {limit}, from the last checkpoint")
     try:
         requeue(environ)
     except CycloneError as e:
         _say(f"requeue failed: {e}")
         return False
-    _say(f"the step ended ({cause}): requeue {restarts + 1} of at most {limit}, from the last checkpoint")
     return True
 
 
