@@ -90,6 +90,8 @@ RUN_COLUMNS = (
     "corrupt_lines",
     "unsupported_lines",
     "truncated",
+    "samples_per_run",
+    "warning",
     "metrics_path",
 )
 
@@ -341,6 +343,10 @@ def summarize_run(parsed: ParsedMetrics) -> dict[str, Any]:
         reason = f"ended with status {status!r}"
     elif not completed:
         reason = "end record has no samples_per_s"
+    # the launch shim's finding (e.g. "4 ranks ran as 4 independent copies"): not a point of a scaling study
+    warning = str(last_end.get("warning") or "") if last_end is not None else ""
+    if not reason and warning:
+        reason = f"not a scaling measurement: {warning}"
     complete = reason == ""
 
     steps = _integer(last_end.get("steps")) if last_end is not None else None
@@ -388,6 +394,8 @@ def summarize_run(parsed: ParsedMetrics) -> dict[str, Any]:
         "corrupt_lines": parsed.corrupt_lines,
         "unsupported_lines": parsed.unsupported_lines,
         "truncated": parsed.truncated,
+        "samples_per_run": _integer(first.get("samples_per_run")),
+        "warning": warning,
     }
 
 
@@ -534,9 +542,11 @@ def _read_rank_files(run_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError) as exc:
             notes.append(f"{file}: ignored ({exc})")
             continue
-        row = {name: data.get(name) for name in (*contract.RANK_SUMMARY_FIELDS, *contract.RANK_SUMMARY_OPTIONAL_FIELDS)}
+        row = {name: data.get(name) for name in (*contract.RANK_SUMMARY_FIELDS, *contract.RANK_SUMMARY_OPTIONAL_FIELDS,
+                                                 *contract.RANK_SUMMARY_CPU_FIELDS)}
         row.update(rank=_integer(row["rank"]), samples_per_s=_number(row["samples_per_s"]),
-                   peak_memory_bytes=_number(row["peak_memory_bytes"]), energy_j=_number(row["energy_j"]))
+                   peak_memory_bytes=_number(row["peak_memory_bytes"]), energy_j=_number(row["energy_j"]),
+                   cpu_cores=_number(row["cpu_cores"]), threads=_number(row["threads"]))
         rows.append(row)
     return rows
 
@@ -638,7 +648,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
             epochs[column] = pd.Series(dtype=float)
     epochs = epochs[epoch_columns]
     ranks = pd.DataFrame(rank_rows, columns=["run_dir", *contract.RANK_SUMMARY_FIELDS,
-                                             *contract.RANK_SUMMARY_OPTIONAL_FIELDS])
+                                             *contract.RANK_SUMMARY_OPTIONAL_FIELDS, *contract.RANK_SUMMARY_CPU_FIELDS])
     if warn:
         for note in notes:
             warnings.warn(note, MetricsWarning, stacklevel=2)

@@ -53,6 +53,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 STRATEGIES = ("ddp", "fsdp", "horovod", "pipeline")
 
 
+#: Pipeline schedules (torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
 LAUNCHERS = ("srun", "torchrun", "horovod")
 
 
@@ -93,6 +97,8 @@ class TrainConfig:
     num_workers: int = -1
     pg_timeout_s: int = 600  # PyTorch's NCCL default: rank 0 may write or load a large checkpoint meanwhile
     microbatches: int = 4
+    pipeline_stages: int = 0  # ranks per pipeline (0: all); world / pipeline_stages data-parallel replicas
+    pipeline_schedule: str = "gpipe"
     fp16_allreduce: bool = False
 
     def __post_init__(self) -> None:
@@ -101,10 +107,11 @@ class TrainConfig:
         check_choice("train.precision", self.precision, PRECISIONS)
         check_choice("train.strategy", self.strategy, STRATEGIES)
         check_choice("train.lr_scaling", self.lr_scaling, ("linear", "sqrt", "none"))
+        check_choice("train.pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         for name in ("image_size", "num_classes", "batch_size", "base_batch_size", "grad_accum", "log_every",
                      "bucket_cap_mb", "pg_timeout_s", "microbatches", "synthetic_samples"):
             check_positive(f"train.{name}", getattr(self, name))
-        for name in ("steps", "epochs", "warmup_steps", "val_every_epochs", "val_samples", "seed"):
+        for name in ("steps", "epochs", "warmup_steps", "val_every_epochs", "val_samples", "seed", "pipeline_stages"):
             check_non_negative(f"train.{name}", getattr(self, name))
         if self.steps == 0 and self.epochs == 0:
             raise ValidationError("train.steps and train.epochs are both 0", hint="set train.steps=N or train.epochs=N")
@@ -199,6 +206,12 @@ class ScriptConfig:
     (filled per job by :func:`fill_script_args`). ``batch_size`` is the per-device batch the
     script trains with, when known (records, sweeps, ``{per_device_batch_size}``); 0: not told.
     ``sha256`` is the content hash of the script file recorded at submission.
+    ``chdir`` is the job's working directory (absolute once resolved; default: the folder
+    ``submit`` ran in, as ``sbatch`` does), so the script's relative paths (``./data``,
+    ``./ckpt.pt``) mean what they mean where it was submitted. ``live`` runs the script file
+    itself on every segment instead of the run directory's snapshot of it (taken at submission).
+    ``samples_per_run`` is how many samples one run of the script processes (time-to-solution
+    reports: cost per sample); 0: not told.
     """
 
     path: str = ""
@@ -206,6 +219,9 @@ class ScriptConfig:
     args: tuple[str, ...] = ()
     batch_size: int = 0
     sha256: str = ""
+    chdir: str = ""
+    live: bool = False
+    samples_per_run: int = 0
 
     def __post_init__(self) -> None:
         if bool(self.path) == bool(self.module):
@@ -223,6 +239,10 @@ class ScriptConfig:
             if "\0" in arg:
                 raise ValidationError(f"script argument {arg!r} contains NUL", hint="remove it")
         check_non_negative("script.batch_size", self.batch_size)
+        check_non_negative("script.samples_per_run", self.samples_per_run)
+        if "\n" in self.chdir or "\0" in self.chdir:
+            raise ValidationError(f"script.chdir {self.chdir!r} contains a line break or NUL",
+                                  hint="give another working directory")
         if self.sha256 and (len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256)):
             raise ValidationError(f"script.sha256 {self.sha256!r} is not a SHA-256 hex digest",
                                   hint="drop it: cyclone_kit records the hash itself")

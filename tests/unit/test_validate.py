@@ -45,7 +45,9 @@ def test_fewer_gpus_per_node():
         ({"partition": "gpu", "cpus_per_task": 12}, "more than the 10 cores per GPU", "--cpus-per-task=10"),
         ({"partition": "cpu", "ntasks_per_node": 4, "cpus_per_task": 20}, "= 80 CPUs", "--cpus-per-task"),
         ({"partition": "gpux"}, "unknown partition 'gpux'", "cpu, gpu"),
-        ({"partition": "gpu", "launcher": "torchrun", "ntasks_per_node": 4}, "torchrun launcher", "drop --ntasks-per-node"),
+        ({"partition": "gpu", "launcher": "torchrun", "ntasks_per_node": 3}, "torchrun launcher", "drop --ntasks-per-node"),
+            ({"partition": "cpu", "launcher": "torchrun", "ntasks_per_node": 4, "cpus_per_task": 2}, "4 torchrun workers",
+             "--cpus-per-task=4"),
     ],
 )
 def test_refusals(resources, fragment, fix):
@@ -86,3 +88,19 @@ def test_spec_refusals(data, fragment):
 def test_unknown_profile():
     with pytest.raises(ValidationError, match=r"unknown profile 'nope'.*HINT.*cyclone"):
         load_profile("nope")
+
+
+@pytest.mark.parametrize(("train", "fragment"), [
+    ({"pipeline_stages": 3}, "train.pipeline_stages=3 does not divide the job's 4 ranks"),
+    ({"batch_size": 30, "microbatches": 4}, "does not split into 4 equal micro-batches"),
+    ({"pipeline_schedule": "1f1b", "microbatches": 2}, "needs train.microbatches >= 4 stages"),
+])
+def test_pipeline_layout_refusals_before_the_queue(train, fragment):
+    spec = spec_from_dict({"train": {"strategy": "pipeline", **train},
+                           "resources": {"profile": "local", "nodes": 2, "ntasks_per_node": 2}})
+    with pytest.raises(ValidationError, match=fragment) as err:
+        resolve(spec, load_profile("local"))
+    assert err.value.hint
+    ok = spec_from_dict({"train": {"strategy": "pipeline", "pipeline_stages": 2},
+                         "resources": {"profile": "local", "nodes": 2, "ntasks_per_node": 2}})
+    assert resolve(ok, load_profile("local")).world_size == 4
