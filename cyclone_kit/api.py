@@ -255,6 +255,7 @@ def log_step(step: int, samples: float | None = None, loss: Any = None) -> None:
     if not run.started:
         run.begin(samples)
     run.last_step = step
+    run.session.progress(step)  # the progress watchdog: a rank with no step for its bound ends the job
     run.window_steps += 1
     if samples:
         run.window_samples += samples

@@ -56,8 +56,10 @@ class JobRow:
         failed: the job failed (:data:`FAILED_STATES`, or its run recorded a root cause).
         waiting: the job has not started (pending, held, requeued, suspended).
         note: why it waits, in words (see :func:`cyclone_kit.slurm.states.explain_state`).
-        root_cause: a failed run's first failure, as one line.
+        root_cause: a failed run's first failure (of its last segment), as one line.
         warnings: what the run recorded that the user should know (a damaged checkpoint skipped).
+        history: a requeued run's segments in words (``completed (2 segments: NODE_FAIL on c2,
+            then completed)``), None for a run of one segment.
     """
 
     job_id: str
@@ -71,6 +73,7 @@ class JobRow:
     note: str | None = None
     root_cause: str | None = None
     warnings: tuple[str, ...] = ()
+    history: str | None = None
 
     def cells(self) -> list[str]:
         """The table's columns as text."""
@@ -179,8 +182,26 @@ def run_row(run_dir: Path, *, known: Known | None = None) -> JobRow:
         if rec.end_status == "cancelled":
             info = JobInfo(handle.job_id, rec.name, JobState.CANCELLED, 0, "", 0, "", None, None)
         row = _row(info, rec.name, cause=rec.root_cause, scheduler=False)
-        return dataclasses.replace(row, reason=f"from the run directory ({str(e).split(';')[0]})", warnings=rec.notes)
-    return dataclasses.replace(_row(info, rec.name, cause=rec.root_cause), warnings=rec.notes)
+        return dataclasses.replace(row, reason=f"from the run directory ({str(e).split(';')[0]})",
+                                   warnings=rec.notes, history=_history(run_dir, None))
+    return dataclasses.replace(_row(info, rec.name, cause=rec.root_cause), warnings=rec.notes,
+                               history=_history(run_dir, get_backend(handle.backend), handle.job_id))
+
+
+def _history(run_dir: Path, backend: object, job_id: str | None = None) -> str | None:
+    """The segments of a requeued run in words; accounting's state of each run of the job where
+    the backend keeps one (``attempts``: NODE_FAIL, PREEMPTED ... as Slurm says)."""
+    segments = failures.segment_history(run_dir)
+    if len(segments) < 2:
+        return None
+    states: list[str] = []
+    attempts = getattr(backend, "attempts", None)
+    if attempts is not None and job_id:
+        try:
+            states = [a.raw_state or a.state.value for a in attempts(job_id)]
+        except CycloneError:
+            states = []  # no accounting: the run directory's own records tell it
+    return failures.history_line(segments, states)
 
 
 def job_row(job_id: str, name: str = "") -> JobRow:

@@ -177,6 +177,19 @@ class SlurmBackend:
                     found[job_id] = info
         return found
 
+    def attempts(self, job_id: str) -> list[JobInfo]:
+        """Every run of a requeued job, oldest first, as accounting recorded it (``sacct --duplicates``:
+        REQUEUED, NODE_FAIL, PREEMPTED ..., then the last run's state).
+
+        Raises:
+            SlurmError: sacct fails (accounting disabled included).
+        """
+        argv = slurm_argv.sacct_attempts(slurm_argv.check_job_id(str(job_id)))
+        result = self._run(argv)
+        if not result.ok:
+            raise SlurmError(f"sacct: {_first_line(result.stderr or result.stdout)}", hint=_CONTROLLER_HINT)
+        return [j for j in parse_sacct(result.stdout) if j.job_id == str(job_id)]
+
     def cancel(self, job_id: str) -> None:
         """Cancel the job (all tasks of an array job when given the parent id).
 

@@ -169,6 +169,11 @@ def failure_record(result: LaunchResult) -> dict[str, Any]:
     ]
     common: dict[str, Any] = {"written_by": "local", "job_id": result.job_id, "ranks": ranks,
                               "stop_s": None if result.stop_s is None else round(result.stop_s, 3)}
+    stall = failures.read_failure(result.run_dir)
+    if stall is not None and stall.get("cause") == "stalled" and stall.get("job_id") == result.job_id:
+        # The ranks' progress watchdogs found who stopped making progress: their record stays the root cause.
+        stuck = {r: e for r, e in enumerate(stall.get("ranks") or []) if isinstance(e, dict)}
+        return {**stall, "ranks": [{**stuck.get(e["rank"], {}), **e} for e in ranks], "stop_s": common["stop_s"]}
     if first is None:
         summary = "interrupted: the launcher was stopped (Ctrl-C, SIGTERM or --timeout) and stopped every rank"
         return failures.failure_doc(cause="interrupted", root_cause=summary, **common)

@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     for row in rows:
+        if row.history:
+            print(f"{row.job_id} {row.name}: {row.history}")
         if row.note:
             print(row.note)
     _script_warnings(runs)

@@ -172,9 +172,17 @@ class CheckpointConfig:
     signal_lead_s: int = 120
     sharded: bool = False
     poll_s: float = 0.5  # seconds between the ranks' stop-flag agreements (0: after every step)
+    stall_floor_s: float = 60.0  # a rank with no step for max(this, stall_factor x median step) is stalled (0: off)
+    stall_factor: float = 20.0
 
     def __post_init__(self) -> None:
         check_non_negative("checkpoint.every_steps", self.every_steps)
+        if self.stall_floor_s < 0 or self.stall_factor < 1:
+            raise ValidationError(
+                f"checkpoint.stall_floor_s={self.stall_floor_s}, stall_factor={self.stall_factor}: a rank is "
+                "stalled after max(floor, factor x median step) without a step",
+                hint="keep the defaults 60 and 20 (stall_floor_s = 0 turns the progress watchdog off; factor >= 1)",
+            )
         check_positive("checkpoint.keep", self.keep)
         check_non_negative("checkpoint.max_requeues", self.max_requeues)
         check_choice("checkpoint.signal", self.signal, SIGNALS)

@@ -55,6 +55,7 @@ LAUNCH_FILE = "launch.json"
 FAILURE_FILE = "failure.json"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
+PROGRESS_DIR = "progress"  # the ranks' progress records (cyclone_kit/runtime/progress.py)
 SUBMITIT_DIR = "submitit"
 SUBMITIT_JOB_FILE = "submitit_job"
 SWEEP_FILE = "sweep.json"
@@ -174,6 +175,28 @@ class RunDir:
     def error_records(self) -> list[Path]:
         """Every rank's error record, in rank order."""
         return sorted(self.ranks.glob("error-rank-*.json"))
+
+    @property
+    def progress(self) -> Path:
+        """``RUN_DIR/progress``: the ranks' progress records."""
+        return self.path / PROGRESS_DIR
+
+    def progress_record(self, rank: int) -> Path:
+        """``progress/rank-NNNNN.json``: a rank's progress record (:mod:`cyclone_kit.runtime.progress`)."""
+        return self.progress / f"rank-{rank:05d}.json"
+
+    def progress_records(self) -> list[Path]:
+        """Every rank's progress record, in rank order."""
+        return sorted(self.progress.glob("rank-*.json"))
+
+    def past_failure(self, segment: str) -> Path:
+        """``ranks/failure-SEGMENT.json``: the failure record of an earlier segment of a requeued run."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in segment)
+        return self.ranks / f"failure-{safe}.json"
+
+    def past_failures(self) -> list[Path]:
+        """The failure records of earlier segments."""
+        return sorted(self.ranks.glob("failure-*.json"))
 
     # ------------------------------------------------------------------ reads and writes
     def is_run_dir(self) -> bool:

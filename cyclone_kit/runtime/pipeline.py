@@ -523,6 +523,7 @@ class _Loop:
                 self._log(step, epoch, loss_sum, window)
                 loss_sum = torch.zeros((), device=self.dev)
                 window = {"start": time.perf_counter(), "steps": 0, "data_s": 0.0}
+            session.progress(step)  # the progress watchdog
             agreed = session.poll(step)
             if agreed != NONE:
                 break
@@ -569,7 +570,8 @@ class _Loop:
 
     @torch.no_grad()
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
-        accuracy = self._validate() if validate and self.data.val is not None else None
+        with self.session.not_a_step():  # validation is no step for the progress watchdog
+            accuracy = self._validate() if validate and self.data.val is not None else None
         self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
         if self.env.is_main and accuracy is not None:
             print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)

@@ -37,6 +37,7 @@ from cyclone_kit.core.errors import CommandError, DiskFullError, ResumeRefused, 
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
 from cyclone_kit.runtime.env import DistEnv
+from cyclone_kit.runtime.progress import END_TIME_VAR, STEPWATCH_VAR, collective_timeout
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, catch_stop_signals, requeue, should_requeue, under_slurm
 
 
@@ -81,6 +82,7 @@ class Session:
     max_nonfinite_steps: int = 0
     nonfinite_run: int = 0
     nonfinite_warned: bool = False
+    watch: Any = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -167,6 +169,26 @@ class Session:
                 hint="lower the learning rate or use fp32/bf16 precision, then resume from the newest checkpoint "
                      "(written before the loss diverged) or raise the limit")
 
+    # ------------------------------------------------------------------ progress
+    def progress(self, step: int) -> None:
+        """Optimizer step ``step`` is done on this rank: feeds the progress watchdog
+        (:mod:`cyclone_kit.runtime.progress`), started at the first call. Call after every step."""
+        if self.watch is None:
+            self.watch = start_watch(self)
+        if self.watch:
+            self.watch.beat(step)
+
+    def not_a_step(self) -> Any:
+        """A context for work between steps that is not a step (a checkpoint, a validation pass)."""
+        import contextlib
+
+        return self.watch.paused() if self.watch else contextlib.nullcontext()
+
+    def stop_watch(self) -> None:
+        """The segment ends here: the watchdog stops and marks this rank's progress record ended."""
+        if self.watch:
+            self.watch.stop()
+
     # ------------------------------------------------------------------ stop
     def poll(self, step: int) -> int:
         """The stop flag agreed by every rank after ``step`` (NONE, STOP or REQUEUE); call on every
@@ -190,12 +212,13 @@ class Session:
         from cyclone_kit.runtime import checkpoint as ckpt
 
         path = None
-        if self.env.is_main and state is not None:
-            path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
-            print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
-            if after_write is not None:
-                after_write(self.checkpoint_dir)
-        self.barrier()
+        with self.not_a_step():
+            if self.env.is_main and state is not None:
+                path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
+                print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
+                if after_write is not None:
+                    after_write(self.checkpoint_dir)
+            self.barrier()
         return path
 
     def load_latest(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
@@ -271,6 +294,8 @@ class Session:
         if self.ended:
             return
         self.ended = True
+        if status != "failed" or not (self.watch and self.watch.stalled):
+            self.stop_watch()
         wall = time.perf_counter() - self.t_start if wall_time_s is None else wall_time_s
         rate = mx.steady_state(self.global_rates)
         try:
@@ -339,6 +364,7 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
     """
     t_start = time.perf_counter() if t_start is None else t_start
     stop_flag = stop_flag or catch_stop_signals(cc.signal)
+    pg_timeout_s = collective_timeout(pg_timeout_s, environ.get(END_TIME_VAR), time.time())
     threads = setup_threads(environ)
     device = probe_device(env, environ)
     if device.warning and env.local_rank == 0:
@@ -366,6 +392,56 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
                       hostnames=gather_hosts(host, env.is_distributed), t_start=t_start)
     session.agreement = StopAgreement(stop_flag, env.is_distributed, interval_s=cc.poll_s)
     return session
+
+
+def start_watch(session: Session) -> Any:
+    """This rank's progress watchdog, started (False when ``checkpoint.stall_floor_s`` is 0)."""
+    from cyclone_kit.rundir.failures import segment_id
+    from cyclone_kit.runtime.progress import ProgressWatch, RunDirRecords, StallPolicy
+
+    policy = StallPolicy(session.cc.stall_floor_s, session.cc.stall_factor)
+    if not policy.enabled:
+        return False
+    env = session.env
+    watch = ProgressWatch(RunDirRecords(session.run_dir), env.rank, env.world_size, session.host, policy,
+                          segment_id(session.environ), lambda stuck, records, own: on_stall(session, stuck, records))
+    return watch.start()
+
+
+def on_stall(session: Session, stuck: list[int], records: dict[int, Any]) -> None:
+    """A stalled rank's last acts (from the watchdog's thread): the records, the ``failed`` end
+    record (rank 0), and the requeue (the rank that wrote ``failure.json``, under Slurm, when
+    allowed and no step watcher does it)."""
+    from cyclone_kit.rundir.failures import record_stall, segment_id
+    from cyclone_kit.runtime.progress import stall_failure
+
+    env, environ = session.env, session.environ
+    job_id = environ.get("SLURM_JOB_ID")
+    doc, errors = stall_failure(stuck, records, env.world_size, job_id, segment_id(environ))
+    own = errors.get(env.rank)
+    on_behalf = [e for r, e in errors.items() if r != env.rank and (records.get(r) or {}).get("state") != "stalled"]
+    won = record_stall(session.run_dir, doc, own, on_behalf)
+    if won:
+        sys.stderr.write(f"cyclone_kit: stalled: {doc['root_cause']}\n")
+    step = session.watch.step if session.watch else None
+    session.end("failed", int(step or 0), release_signals=False)
+    if won and under_slurm(environ) and not environ.get(STEPWATCH_VAR):
+        yes, why = stall_requeue(session.cc, env.restart_count)
+        sys.stderr.write(f"cyclone_kit: {why}\n")
+        if yes:
+            try:
+                requeue(environ)
+            except (CommandError, ValidationError) as e:
+                warn(f"requeue failed: {e}")
+
+
+def stall_requeue(cc: CheckpointConfig, restart_count: int) -> tuple[bool, str]:
+    """Whether a stalled job is requeued (pure): ``checkpoint.requeue`` and requeues left."""
+    if not cc.requeue:
+        return False, "stalled; checkpoint.requeue is false: not requeued"
+    if restart_count >= cc.max_requeues:
+        return False, f"stalled; already requeued {restart_count} time(s) (checkpoint.max_requeues={cc.max_requeues})"
+    return True, f"stalled: requeue {restart_count + 1} of at most {cc.max_requeues}, from the last checkpoint"
 
 
 def _group_of_one(device: DeviceChoice, timeout_s: int) -> None:

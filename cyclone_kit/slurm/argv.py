@@ -97,6 +97,11 @@ def sacct(job_id: str | Sequence[str]) -> list[str]:
     ]
 
 
+def sacct_attempts(job_id: str) -> list[str]:
+    """sacct for every run of a requeued job (``--duplicates``), oldest first, same fields as :func:`sacct`."""
+    return [*sacct(job_id), "--duplicates"]
+
+
 def scontrol_show_job(job_id: str) -> list[str]:
     """``scontrol show job ID``: exits 1 with "Invalid job id specified" for an unknown id."""
     return ["scontrol", "show", "job", check_job_id(job_id)]
