@@ -37,6 +37,7 @@ that one line and exits with code 2 (no traceback). Any other uncaught exception
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -56,6 +57,8 @@ __all__ = ["ApiUsageError", "Context", "finish", "init", "instrument", "load_che
 DEFAULT_LOG_EVERY = 10
 #: The environment variable that sets the steps per ``step`` record (a script job's spec has no [train]).
 LOG_EVERY_VAR = "CYCLONE_LOG_EVERY"
+#: The environment variable that sets how many consecutive non-finite losses stop the run (0: never).
+NONFINITE_VAR = "CYCLONE_MAX_NONFINITE_STEPS"
 
 
 class ApiUsageError(CycloneError):
@@ -131,7 +134,7 @@ class _Run:
     def flush_window(self, step: int) -> None:
         if not self.window_steps:
             return
-        loss = _mean_loss(self.window_losses) if self.ctx.is_main else None  # (a tensor loss: the window's sync)
+        loss, bad = _mean_loss(self.window_losses) if self.ctx.is_main else (None, 0)  # a tensor loss: the sync
         now = time.perf_counter()
         phases = None
         if self.timer is not None:
@@ -141,7 +144,7 @@ class _Run:
                 phases["data_time_s"] = None  # no loader given: data loading is inside other_time_s
         samples = self.window_samples
         self.session.log_window(step, None, loss, self.window_steps, now - self.window_t0, None, samples,
-                                samples / self.ctx.world_size, phases=phases)
+                                samples / self.ctx.world_size, nonfinite_steps=bad, phases=phases)
         self.window_t0, self.window_steps, self.window_samples = now, 0, 0.0
         self.window_losses = []
 
@@ -152,7 +155,8 @@ _previous_hook: Any = None
 
 
 # --------------------------------------------------------------------------- the API
-def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **info: Any) -> Context:
+def init(run_dir: str | Path | None = None, *, log_every: int | None = None, max_nonfinite_steps: int | None = None,
+         **info: Any) -> Context:
     """Join the run: signal handlers, device, process group, run directory. Call once, first, on every rank.
 
     Works under torchrun, srun, mpirun/horovodrun, ``cyclone-kit run`` and with no launcher at
@@ -164,6 +168,9 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **i
         run_dir: the run directory (default ``$CYCLONE_RUN_DIR``, else a new ``./runs/<script>-<stamp>``).
         log_every: steps per ``step`` record (default: ``$CYCLONE_LOG_EVERY``, else the run's
             ``train.log_every``, else 10).
+        max_nonfinite_steps: stop with a one-line error after this many consecutive steps whose
+            loss (given to :func:`log_step`) was NaN or infinite (default:
+            ``$CYCLONE_MAX_NONFINITE_STEPS``, else the run's ``train.max_nonfinite_steps``, else 0: never).
         **info: extra ``start`` record fields (``model``, ``dataset``, ``precision`` ...: they label the report).
 
     Returns:
@@ -181,13 +188,17 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **i
                             hint="ck.finish() ends the run; call ck.init() once at the start of the script")
     if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
         raise ApiUsageError(f"ck.init(log_every={log_every!r}) must be a positive int", hint="e.g. log_every=10")
+    if max_nonfinite_steps is not None and (isinstance(max_nonfinite_steps, bool)
+                                            or not isinstance(max_nonfinite_steps, int) or max_nonfinite_steps < 0):
+        raise ApiUsageError(f"ck.init(max_nonfinite_steps={max_nonfinite_steps!r}) must be an int >= 0",
+                            hint="e.g. max_nonfinite_steps=20 (0: never stop)")
     t_start = time.perf_counter()
     environ = os.environ
     from cyclone_kit.config.job import CheckpointConfig
 
     given = run_dir if run_dir is not None else environ.get("CYCLONE_RUN_DIR") or None
     folder = Path(given).absolute() if given else None
-    cc, spec_log_every = _spec_settings(folder) if folder is not None else (CheckpointConfig(), None)
+    cc, spec_log_every, spec_nonfinite = _spec_settings(folder) if folder is not None else (CheckpointConfig(), None, 0)
     _install_hook()
     from cyclone_kit.runtime.env import detect
     from cyclone_kit.runtime.session import open_session
@@ -205,6 +216,8 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **i
                   is_main=env.is_main, node_rank=env.node_rank, num_nodes=env.num_nodes,
                   restart_count=env.restart_count, run_dir=folder, launcher=session.launcher)
     _run = _Run(session, ctx, log_every or _env_log_every(environ) or spec_log_every or DEFAULT_LOG_EVERY, info)
+    limit = _env_log_every(environ, NONFINITE_VAR, least=0)
+    session.max_nonfinite_steps = next(v for v in (max_nonfinite_steps, limit, spec_nonfinite) if v is not None)
     return ctx
 
 
@@ -260,6 +273,7 @@ def log_step(step: int, samples: float | None = None, loss: Any = None) -> None:
     if not run.started:
         run.begin(samples)
     run.last_step = step
+    run.session.progress(step)  # the progress watchdog: a rank with no step for its bound ends the job
     run.window_steps += 1
     if samples:
         run.window_samples += samples
@@ -403,28 +417,29 @@ def _require(name: str) -> _Run:
     return _run
 
 
-def _env_log_every(environ: Mapping[str, str]) -> int | None:
-    """``$CYCLONE_LOG_EVERY`` as a positive int (None when unset).
+def _env_log_every(environ: Mapping[str, str], var: str = LOG_EVERY_VAR, least: int = 1) -> int | None:
+    """``$CYCLONE_LOG_EVERY`` (or ``var``) as an int >= ``least`` (None when unset).
 
     Raises:
         ValidationError: it is set to something else.
     """
-    raw = environ.get(LOG_EVERY_VAR, "").strip()
+    raw = environ.get(var, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValidationError(f"{LOG_EVERY_VAR}={raw!r} is not a positive integer", hint=f"e.g. {LOG_EVERY_VAR}=10")
+    if not raw.isdigit() or int(raw) < least:
+        raise ValidationError(f"{var}={raw!r} is not an integer >= {least}", hint=f"e.g. {var}=10")
     return int(raw)
 
 
-def _spec_settings(run_dir: Path) -> tuple[Any, int | None]:
-    """(``[checkpoint]`` as a CheckpointConfig, ``train.log_every`` or None) from ``run_dir/spec.json``."""
+def _spec_settings(run_dir: Path) -> tuple[Any, int | None, int]:
+    """(``[checkpoint]`` as a CheckpointConfig, ``train.log_every`` or None, ``train.max_nonfinite_steps``)
+    from ``run_dir/spec.json``."""
     from cyclone_kit.config.job import CheckpointConfig, spec_from_dict
     from cyclone_kit.rundir.layout import RunDir
 
     path = RunDir(run_dir).spec
     if not path.is_file():
-        return CheckpointConfig(), None
+        return CheckpointConfig(), None, 0
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -438,7 +453,8 @@ def _spec_settings(run_dir: Path) -> tuple[Any, int | None]:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             every = value
             break
-    return cc, every
+    limit = (data.get("train") or {}).get("max_nonfinite_steps") if isinstance(data.get("train"), dict) else None
+    return cc, every, limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
 
 
 def _new_run_dir(session: Any) -> Path:
@@ -460,17 +476,22 @@ def _script_name() -> str:
     return name or "script"
 
 
-def _mean_loss(losses: list[Any]) -> float | None:
+def _mean_loss(losses: list[Any]) -> tuple[float | None, int]:
+    """(the mean of the window's losses, how many of them were not finite); (None, 0) for none."""
     if not losses:
-        return None
-    total = 0.0
+        return None, 0
+    total, bad = 0.0, 0
     tensors = [x for x in losses if hasattr(x, "float")]
     if tensors:
         import torch
 
-        total += float(torch.stack([t.float().reshape(()) for t in tensors]).sum().item())
-    total += sum(float(x) for x in losses if not hasattr(x, "float"))
-    return total / len(losses)
+        values = torch.stack([t.float().reshape(()) for t in tensors])
+        both = torch.stack([values.sum(), (~torch.isfinite(values)).sum().float()]).tolist()  # one device sync
+        total, bad = both[0], int(both[1])
+    plain = [float(x) for x in losses if not hasattr(x, "float")]
+    total += sum(plain)
+    bad += sum(1 for x in plain if not math.isfinite(x))
+    return total / len(losses), bad
 
 
 def _install_hook() -> None:
@@ -490,16 +511,22 @@ def _stderr() -> Any:
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     run = _run
     if run is not None:
+        from cyclone_kit.core.errors import ResumeRefused
+
+        try:
+            if not isinstance(exc, ResumeRefused):  # a refused resume leaves the metrics as they were
+                steps = run.last_step if run.last_step is not None else run.start_step
+                run.begin(None)
+                run.session.end("failed", steps)
+        except Exception as e:  # the record is a courtesy: never hide the real error
+            _stderr().write(f"cyclone_kit: could not write the failed end record: {e}\n")
         try:
             from cyclone_kit.runtime.metrics import write_error_record
 
-            steps = run.last_step if run.last_step is not None else run.start_step
-            run.begin(None)
-            run.session.end("failed", steps)
             write_error_record(run.ctx.run_dir, run.ctx.rank, run.session.host, exc,
                                "".join(traceback.format_exception(kind, exc, tb)))
-        except Exception as e:  # the record is a courtesy: never hide the real error
-            _stderr().write(f"cyclone_kit: could not write the failure records: {e}\n")
+        except Exception as e:
+            _stderr().write(f"cyclone_kit: could not write the error record: {e}\n")
     if isinstance(exc, CycloneError):
         rank = f"[rank {run.ctx.rank}] " if run is not None and run.ctx.world_size > 1 else ""
         out = _stderr()

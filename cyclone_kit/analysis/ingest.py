@@ -131,6 +131,9 @@ class ParsedMetrics:
         corrupt_lines: lines that were not a JSON object with a string ``kind``.
         unsupported_lines: records whose ``schema`` is not in :data:`READ_SCHEMAS`.
         truncated: True when the last line is cut off (corrupt and no final newline).
+        corrupt_line_numbers: the (1-based) line numbers of the corrupt lines.
+        refused: (line number, why) of each record refused for a field of the wrong type
+            (``"step": "abc"``); the other records of the file are kept.
     """
 
     segments: tuple[Mapping[str, Any], ...]
@@ -140,6 +143,8 @@ class ParsedMetrics:
     corrupt_lines: int
     unsupported_lines: int
     truncated: bool
+    corrupt_line_numbers: tuple[int, ...] = ()
+    refused: tuple[tuple[int, str], ...] = ()
 
     def steps_frame(self) -> pd.DataFrame:
         """The step records as a DataFrame: :data:`STEP_FIELDS` plus ``segment``."""
@@ -159,8 +164,8 @@ except ImportError:  # pragma: no cover - depends on the pandas version
     _fast_loads = json.loads
 
 
-def _decode(text: str) -> tuple[list[Any], int, bool]:
-    """Decode every non-blank line: (values, corrupt line count, last line truncated).
+def _decode(text: str) -> tuple[list[Any], Sequence[int], list[int], bool]:
+    """Decode every non-blank line: (values, their line numbers, corrupt line numbers, last line truncated).
 
     Fast path: the whole file as one JSON array, accepted only when it decodes to exactly one
     value per line. Anything else (a corrupt, blank or split line) takes the exact per-line
@@ -168,16 +173,18 @@ def _decode(text: str) -> tuple[list[Any], int, bool]:
     """
     body = text.strip()
     if not body:
-        return [], 0, False
+        return [], (), [], False
     try:
         values = _fast_loads("[" + body.replace("\n", ",") + "]")
     except ValueError:
         values = None
     if isinstance(values, list) and len(values) == body.count("\n") + 1:
-        return values, 0, False
+        first = text[: len(text) - len(text.lstrip())].count("\n") + 1
+        return values, range(first, first + len(values)), [], False
     loads = json.loads
     values = []
-    corrupt = 0
+    numbers: list[int] = []
+    corrupt: list[int] = []
     truncated = False
     lines = text.split("\n")
     last_index = len(lines) - 1
@@ -186,11 +193,24 @@ def _decode(text: str) -> tuple[list[Any], int, bool]:
             continue
         try:
             values.append(loads(line))
+            numbers.append(index + 1)
         except ValueError:
-            corrupt += 1
+            corrupt.append(index + 1)
             # The last line without a trailing newline is a write cut short by a crash.
             truncated = truncated or index == last_index
-    return values, corrupt, truncated
+    return values, numbers, corrupt, truncated
+
+
+_NUMBER_TYPES = frozenset({int, float, type(None)})
+
+
+def _refusal(record: Mapping[str, Any]) -> str | None:
+    """Why a step record breaks the contract's types (cheap check first: this is the hot path)."""
+    if (record.get("step").__class__ is int and record.get("loss").__class__ in _NUMBER_TYPES
+            and record.get("samples_per_s").__class__ in _NUMBER_TYPES
+            and record.get("step_time_s").__class__ in _NUMBER_TYPES):
+        return None
+    return contract.type_error(record)
 
 
 def parse_metrics_text(text: str) -> ParsedMetrics:
@@ -205,7 +225,9 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
     Returns:
         The parsed segments, step records, epoch records and skipped-line counts.
     """
-    values, corrupt, truncated = _decode(text)
+    values, numbers, corrupt_at, truncated = _decode(text)
+    corrupt = len(corrupt_at)
+    refused: list[tuple[int, str]] = []
     segments: list[_Segment] = []
     current: _Segment | None = None
     steps: list[dict[str, Any]] = []
@@ -214,21 +236,30 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
     epochs: list[dict[str, Any]] = []
     unsupported = 0
     index = -1  # the current segment
-    for record in values:
+    for record, line in zip(values, numbers, strict=True):
         kind = record.get("kind") if isinstance(record, dict) else None
         if kind.__class__ is not str:
             corrupt += 1
+            corrupt_at.append(line)
             continue
         if record.get("schema") not in READ_SCHEMAS:
             unsupported += 1
             continue
         if kind == "step":  # the hot path: most records are steps
+            problem = _refusal(record)
+            if problem is not None:
+                refused.append((line, problem))
+                continue
             if current is None:
                 current = _Segment()
                 segments.append(current)
                 index = 0
             step_append(record)
             segment_append(index)
+            continue
+        problem = contract.type_error(record)
+        if problem is not None:
+            refused.append((line, problem))
             continue
         if kind == "start":
             current = _Segment(start=record)
@@ -268,7 +299,44 @@ def parse_metrics_text(text: str) -> ParsedMetrics:
         corrupt_lines=corrupt,
         unsupported_lines=unsupported,
         truncated=truncated,
+        corrupt_line_numbers=tuple(sorted(corrupt_at)),
+        refused=tuple(refused),
     )
+
+
+def _lines_text(numbers: Sequence[int], most: int = 5) -> str:
+    shown = ", ".join(str(n) for n in numbers[:most])
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}" + (f" and {len(numbers) - most} more" if len(numbers) > most else "")
+
+
+def quality_notes(parsed: ParsedMetrics) -> list[str]:
+    """What was dropped from a metrics file and why, and which steps had a loss that was not finite (pure).
+
+    The good records of a file are always kept; each note says how many lines were left out.
+    """
+    notes = []
+    kept = sum(1 for _ in parsed.steps) + len(parsed.epochs) + sum(
+        (seg["start"] is not None) + (seg["end"] is not None) for seg in parsed.segments)
+    what = []
+    if parsed.corrupt_lines:
+        where = f" ({_lines_text(parsed.corrupt_line_numbers)})" if parsed.corrupt_line_numbers else ""
+        cut = " (last line truncated)" if parsed.truncated else ""
+        what.append(f"{parsed.corrupt_lines} corrupt line(s){cut}{where}")
+    if parsed.unsupported_lines:
+        what.append(f"{parsed.unsupported_lines} record(s) with a schema other than "
+                    f"{' or '.join(str(v) for v in sorted(READ_SCHEMAS))}")
+    if parsed.refused:
+        reasons = "; ".join(f"line {n}: {why}" for n, why in parsed.refused[:3])
+        more = f"; and {len(parsed.refused) - 3} more" if len(parsed.refused) > 3 else ""
+        what.append(f"{len(parsed.refused)} record(s) with a field of the wrong type ({reasons}{more})")
+    if what:
+        notes.append(f"skipped {' and '.join(what)}; kept the {kept} good record(s)")
+    bad = [r.get("step") for r in parsed.steps
+           if isinstance(r.get("loss"), str) or (r.get("nonfinite_steps") or 0) > 0]
+    if bad:
+        shown = ", ".join(str(b) for b in bad[:5]) + (f" ... {bad[-1]}" if len(bad) > 5 else "")
+        notes.append(f"the loss was not finite (NaN or infinite) in {len(bad)} step record(s): step(s) {shown}")
+    return notes
 
 
 def _number(value: Any) -> float:
@@ -600,15 +668,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
         parsed = parse_metrics_text(text)
         any_records = any_records or bool(parsed.segments or parsed.steps or parsed.epochs)
         summary = summarize_run(parsed)
-        if parsed.corrupt_lines or parsed.unsupported_lines:
-            what = []
-            if parsed.corrupt_lines:
-                what.append(f"{parsed.corrupt_lines} corrupt line(s)")
-            if parsed.unsupported_lines:
-                what.append(f"{parsed.unsupported_lines} record(s) with a schema other than "
-                            f"{' or '.join(str(v) for v in sorted(READ_SCHEMAS))}")
-            tail = " (last line truncated)" if parsed.truncated else ""
-            notes.append(f"{metrics_file}: skipped {' and '.join(what)}{tail}")
+        notes.extend(f"{metrics_file}: {note}" for note in quality_notes(parsed))
         sweep = _load_sweep(run_dir.resolve(), sweep_cache, notes)
         point = sweep.points.get(run_dir.resolve(), {}) if sweep is not None else {}
         key = str(run_dir)
@@ -648,6 +708,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
     steps = pd.concat(step_frames, ignore_index=True) if step_frames else pd.DataFrame(columns=step_columns)
     steps = steps[step_columns]
     steps["run_dir"] = steps["run_dir"].astype("category")
+    steps["loss"] = [contract.decode_loss(v) for v in steps["loss"]]  # "NaN", "Infinity": the values they name
     for column in STEP_NUMERIC:
         steps[column] = pd.to_numeric(steps[column], errors="coerce")
 

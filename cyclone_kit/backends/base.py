@@ -66,6 +66,11 @@ class Backend(Protocol):
         """The job's state now (a :class:`~cyclone_kit.slurm.parse.JobInfo`)."""
         ...
 
+    def status_many(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """The state now of each job among ``jobs`` the backend knows (absent: unknown), asking the
+        scheduler once for all of them where it can."""
+        ...
+
     def cancel(self, job: str) -> None:
         """Stop the job (a finished job is left as it is)."""
         ...

@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any
 from cyclone_kit.backends.base import JobHandle
 from cyclone_kit.backends.base import log_files as run_log_files
 from cyclone_kit.backends.local_env import available_cores, rank_environments, threads_per_rank, working_directory
-from cyclone_kit.backends.srun_emulator import GRACE_S, failure_record, format_failure, launch
+from cyclone_kit.backends.srun_emulator import GRACE_S, failure_record, format_failure, launch, record_submission
 from cyclone_kit.core.errors import RankFailure, ValidationError
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.entry import rank_argv
@@ -61,7 +61,7 @@ class LocalBackend:
         result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
                         grace_s=self.grace_s, command=rank_argv(job.spec, rd.path),
                         cwd=working_directory(job.spec))
-        rd.write_submission(result.job_id, self.name)
+        record_submission(rd, result.job_id, self.name)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")
             raise RankFailure(
@@ -73,6 +73,10 @@ class LocalBackend:
     def status(self, job: str) -> JobInfo:
         """What the run directory says: a foreground run has ended by the time anyone asks."""
         return run_dir_status(str(job), getattr(job, "run_dir", None))
+
+    def status_many(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """:meth:`status` of each job (run directories only: nothing to ask)."""
+        return {str(j): self.status(j) for j in jobs}
 
     def cancel(self, job: str) -> None:
         """A foreground run stops with Ctrl-C; afterwards there is nothing to cancel.

@@ -16,12 +16,12 @@ falls back to what its run directory recorded. Nothing here prints.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cyclone_kit.backends.base import JobHandle
-from cyclone_kit.core.errors import CycloneError, ValidationError
+from cyclone_kit.core.errors import CycloneError, SlurmError, ValidationError
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.layout import RunDir, StudyDir, find_runs, find_studies
 from cyclone_kit.rundir.summary import read_run
@@ -56,7 +56,10 @@ class JobRow:
         failed: the job failed (:data:`FAILED_STATES`, or its run recorded a root cause).
         waiting: the job has not started (pending, held, requeued, suspended).
         note: why it waits, in words (see :func:`cyclone_kit.slurm.states.explain_state`).
-        root_cause: a failed run's first failure, as one line.
+        root_cause: a failed run's first failure (of its last segment), as one line.
+        warnings: what the run recorded that the user should know (a damaged checkpoint skipped).
+        history: a requeued run's segments in words (``completed (2 segments: NODE_FAIL on c2,
+            then completed)``), None for a run of one segment.
     """
 
     job_id: str
@@ -69,6 +72,8 @@ class JobRow:
     waiting: bool = False
     note: str | None = None
     root_cause: str | None = None
+    warnings: tuple[str, ...] = ()
+    history: str | None = None
 
     def cells(self) -> list[str]:
         """The table's columns as text."""
@@ -118,8 +123,42 @@ def _row(info: JobInfo, name: str, *, cause: str | None = None, scheduler: bool 
                   waiting=note is not None, note=note, root_cause=cause)
 
 
-def run_row(run_dir: Path) -> JobRow:
-    """The row of one run directory, asked through the backend it recorded.
+#: What a backend answered for a job, keyed by (backend, job id): its state, or why there is none.
+Known = Mapping[tuple[str, str], "JobInfo | CycloneError"]
+
+
+def ask_backends(handles: Sequence[JobHandle]) -> dict[tuple[str, str], JobInfo | CycloneError]:
+    """Ask each backend once for all of its jobs among ``handles`` (Slurm: one squeue, one sacct)."""
+    from cyclone_kit.backends import get_backend
+
+    by_backend: dict[str, list[JobHandle]] = {}
+    for handle in handles:
+        by_backend.setdefault(handle.backend, []).append(handle)
+    known: dict[tuple[str, str], JobInfo | CycloneError] = {}
+    for backend, group in by_backend.items():
+        try:
+            infos: Mapping[str, JobInfo] = get_backend(backend).status_many(group)
+            problem: CycloneError = SlurmError("not known to the scheduler",
+                                               hint="it left the controller and accounting (sacct) has no record")
+        except CycloneError as e:
+            infos, problem = {}, e
+        for handle in group:
+            known[(backend, handle.job_id)] = infos.get(handle.job_id) or problem
+    return known
+
+
+def run_rows(run_dirs: Sequence[Path]) -> list[JobRow]:
+    """The rows of many run directories, each backend asked once for all of them (see :func:`run_row`)."""
+    from cyclone_kit.backends.base import handle_of
+
+    handles = [h for h in (handle_of(p) for p in run_dirs) if h is not None]
+    known = ask_backends(handles) if handles else {}
+    return [run_row(p, known=known) for p in run_dirs]
+
+
+def run_row(run_dir: Path, *, known: Known | None = None) -> JobRow:
+    """The row of one run directory, asked through the backend it recorded (or looked up in
+    ``known``, what :func:`ask_backends` found for many runs at once).
 
     A job the scheduler no longer knows (it left the controller and there is no accounting) is
     shown as its run directory recorded it (the end record; a root cause means FAILED).
@@ -131,16 +170,38 @@ def run_row(run_dir: Path) -> JobRow:
     rec = read_run(run_dir)
     handle = handle_of(run_dir)
     if handle is None:  # never submitted: what the run directory itself says
-        return _row(run_dir_status("-", run_dir), rec.name, cause=rec.root_cause, scheduler=False)
+        row = _row(run_dir_status("-", run_dir), rec.name, cause=rec.root_cause, scheduler=False)
+        return dataclasses.replace(row, warnings=rec.notes)
     try:
-        info = get_backend(handle.backend).status(handle)
+        answer = known.get((handle.backend, handle.job_id)) if known is not None else None
+        if isinstance(answer, CycloneError):
+            raise answer
+        info = answer if answer is not None else get_backend(handle.backend).status(handle)
     except CycloneError as e:
         info = run_dir_status(handle.job_id, run_dir)
         if rec.end_status == "cancelled":
             info = JobInfo(handle.job_id, rec.name, JobState.CANCELLED, 0, "", 0, "", None, None)
         row = _row(info, rec.name, cause=rec.root_cause, scheduler=False)
-        return dataclasses.replace(row, reason=f"from the run directory ({str(e).split(';')[0]})")
-    return _row(info, rec.name, cause=rec.root_cause)
+        return dataclasses.replace(row, reason=f"from the run directory ({str(e).split(';')[0]})",
+                                   warnings=rec.notes, history=_history(run_dir, None))
+    return dataclasses.replace(_row(info, rec.name, cause=rec.root_cause), warnings=rec.notes,
+                               history=_history(run_dir, get_backend(handle.backend), handle.job_id))
+
+
+def _history(run_dir: Path, backend: object, job_id: str | None = None) -> str | None:
+    """The segments of a requeued run in words; accounting's state of each run of the job where
+    the backend keeps one (``attempts``: NODE_FAIL, PREEMPTED ... as Slurm says)."""
+    segments = failures.segment_history(run_dir)
+    if len(segments) < 2:
+        return None
+    states: list[str] = []
+    attempts = getattr(backend, "attempts", None)
+    if attempts is not None and job_id:
+        try:
+            states = [a.raw_state or a.state.value for a in attempts(job_id)]
+        except CycloneError:
+            states = []  # no accounting: the run directory's own records tell it
+    return failures.history_line(segments, states)
 
 
 def job_row(job_id: str, name: str = "") -> JobRow:
@@ -172,7 +233,7 @@ def _report_row(study: StudyDir) -> JobRow | None:
 
 def study_rows(study: StudyDir) -> list[JobRow]:
     """One row per point of the study, then the report job's."""
-    rows = [run_row(rd.path) for rd in study.point_dirs() if rd.is_run_dir()]
+    rows = run_rows([rd.path for rd in study.point_dirs() if rd.is_run_dir()])
     report = _report_row(study)
     return rows + ([report] if report else [])
 

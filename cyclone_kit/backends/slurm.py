@@ -146,6 +146,50 @@ class SlurmBackend:
             "MinJobAge seconds unless accounting (sacct) is enabled",
         )
 
+    def status_many(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """The :class:`JobInfo` of every job Slurm knows among ``job_ids``, in two calls at most.
+
+        One ``squeue`` for all of them (whatever the controller still holds), then one ``sacct``
+        for those it no longer holds; a job neither knows is left out (the caller falls back to
+        its run directory). The cost does not grow with the number of runs (``status --runs-dir``).
+
+        Raises:
+            ValidationError: an id is not a job id.
+            SlurmError: Slurm cannot be reached (squeue fails for another reason than unknown ids).
+        """
+        ids = list(dict.fromkeys(slurm_argv.check_job_id(str(j)) for j in job_ids))
+        found: dict[str, JobInfo] = {}
+        for build, parse, needed in ((slurm_argv.squeue, parse_squeue, True), (slurm_argv.sacct, parse_sacct, False)):
+            missing = [j for j in ids if j not in found]
+            if not missing:
+                break
+            result = self._run(build(missing))
+            err = result.stderr.strip()
+            if not result.ok:
+                if _INVALID_ID in err or (_NO_ACCOUNTING in err and not needed):
+                    continue  # none of them known here (one unknown id alone makes squeue fail)
+                raise SlurmError(f"cannot get the status of {len(missing)} job(s): "
+                                 f"{build(missing)[0]}: {_first_line(err or result.stdout)}", hint=_CONTROLLER_HINT)
+            records = parse(result.stdout)
+            for job_id in missing:
+                info = select_job(job_id, records)
+                if info is not None:
+                    found[job_id] = info
+        return found
+
+    def attempts(self, job_id: str) -> list[JobInfo]:
+        """Every run of a requeued job, oldest first, as accounting recorded it (``sacct --duplicates``:
+        REQUEUED, NODE_FAIL, PREEMPTED ..., then the last run's state).
+
+        Raises:
+            SlurmError: sacct fails (accounting disabled included).
+        """
+        argv = slurm_argv.sacct_attempts(slurm_argv.check_job_id(str(job_id)))
+        result = self._run(argv)
+        if not result.ok:
+            raise SlurmError(f"sacct: {_first_line(result.stderr or result.stdout)}", hint=_CONTROLLER_HINT)
+        return [j for j in parse_sacct(result.stdout) if j.job_id == str(job_id)]
+
     def cancel(self, job_id: str) -> None:
         """Cancel the job (all tasks of an array job when given the parent id).
 

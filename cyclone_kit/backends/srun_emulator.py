@@ -14,8 +14,10 @@ written to ``failure.json``; Ctrl-C or SIGTERM to the launcher stops every rank 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +93,9 @@ class LaunchResult:
         interrupted: the launcher was interrupted (Ctrl-C / SIGTERM) and stopped the ranks.
         wall_time_s: seconds from the first start to the last exit.
         stop_s: seconds from the first failure (or interrupt) until every rank was gone.
+        record_error: why ``failure.json`` could not be written (a full disk), else None.
+        stderr_tails: per rank, the last lines it wrote to stderr in this launch (kept by the
+            launcher, so they are known even when the log file could not take them).
     """
 
     job_id: str
@@ -100,6 +105,8 @@ class LaunchResult:
     interrupted: bool
     wall_time_s: float
     stop_s: float | None = None
+    record_error: str | None = None
+    stderr_tails: tuple[tuple[str, ...], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -108,8 +115,13 @@ class LaunchResult:
 
     @property
     def returncode(self) -> int:
-        """0, 130 after an interrupt, else 1."""
-        return 0 if self.ok else (130 if self.interrupted and self.first_failure is None else 1)
+        """0, 130 after an interrupt, 2 when the first failed rank refused its input (exit code 2:
+        a one-line CycloneError, e.g. a refused resume), else 1."""
+        if self.ok:
+            return 0
+        if self.interrupted and self.first_failure is None:
+            return 130
+        return 2 if self.first_failure is not None and self.first_failure.returncode == 2 else 1
 
 
 def root_cause_line(failure: RankExit, error: Mapping[str, Any] | None = None) -> str:
@@ -117,8 +129,21 @@ def root_cause_line(failure: RankExit, error: Mapping[str, Any] | None = None) -
     line = f"rank {failure.rank} on host {failure.host} (pid {failure.pid}) {failure.how} after {failure.elapsed_s:.1f} s"
     if error and (error.get("type") or error.get("message")):
         message = " ".join(str(error.get("message", "")).split())
-        line += f": {error.get('type', 'Error')}: {message[:300]}"
+        kind = error.get("type", "Error")
+        line += f": {kind}: {message[:300]}" if kind else f": {message[:300]}"
     return line
+
+
+def error_from_tail(lines: Sequence[str]) -> dict[str, Any] | None:
+    """The last ``error: ...`` line a rank printed, as an error record's type and message (pure).
+
+    For a rank that could not write its error record (a full disk): its one-line error still names the cause.
+    """
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            message = re.sub(r"^\[rank \d+\] ", "", line[len("error: "):])
+            return {"type": "", "message": message}
+    return None
 
 
 def tail_lines(path: Path, n: int = STDERR_TAIL_LINES, max_bytes: int = 64_000) -> list[str]:
@@ -144,16 +169,24 @@ def failure_record(result: LaunchResult) -> dict[str, Any]:
     ]
     common: dict[str, Any] = {"written_by": "local", "job_id": result.job_id, "ranks": ranks,
                               "stop_s": None if result.stop_s is None else round(result.stop_s, 3)}
+    stall = failures.read_failure(result.run_dir)
+    if stall is not None and stall.get("cause") == "stalled" and stall.get("job_id") == result.job_id:
+        # The ranks' progress watchdogs found who stopped making progress: their record stays the root cause.
+        stuck = {r: e for r, e in enumerate(stall.get("ranks") or []) if isinstance(e, dict)}
+        return {**stall, "ranks": [{**stuck.get(e["rank"], {}), **e} for e in ranks], "stop_s": common["stop_s"]}
     if first is None:
         summary = "interrupted: the launcher was stopped (Ctrl-C, SIGTERM or --timeout) and stopped every rank"
         return failures.failure_doc(cause="interrupted", root_cause=summary, **common)
     error = read_error_record(result.run_dir, first.rank)
+    if error is None and first.rank < len(result.stderr_tails):  # it could not write one: its last error line
+        error = error_from_tail(result.stderr_tails[first.rank])
     rd = RunDir(result.run_dir)
     return failures.failure_doc(
         cause="rank_failed", root_cause=root_cause_line(first, error), first=error, rank=first.rank,
         host=first.host, pid=first.pid, exit_code=first.returncode, elapsed_s=round(first.elapsed_s, 3),
         stderr_log=str(rd.rank_log(first.rank, "err").relative_to(rd.path)),
-        stderr_tail=tail_lines(rd.rank_log(first.rank, "err")), error_record=error, **common,
+        stderr_tail=(list(result.stderr_tails[first.rank]) if first.rank < len(result.stderr_tails)
+                     else tail_lines(rd.rank_log(first.rank, "err"))), error_record=error, **common,
     )
 
 
@@ -171,8 +204,25 @@ def format_failure(result: LaunchResult) -> str:
         lines.append(f"rank {e.rank} on {e.host}: {e.how}" + (" (stopped by the launcher)" if e.stopped else ""))
     if result.stop_s is not None:
         lines.append(f"all ranks gone {result.stop_s:.1f} s after the first failure")
-    lines.append(f"failure record: {RunDir(result.run_dir).failure}")
+    if result.record_error:
+        lines.append(f"failure record not written: {result.record_error}")
+    else:
+        lines.append(f"failure record: {RunDir(result.run_dir).failure}")
     return "\n".join(lines)
+
+
+def record_submission(rd: RunDir, job_id: str, backend: str) -> None:
+    """Record a finished local launch in its run directory; on a full disk, say so on stderr instead."""
+    try:
+        rd.write_submission(job_id, backend)
+    except OSError as e:
+        sys.stderr.write(f"cyclone_kit: warning: could not record job {job_id}: {_why(rd.path, e)}\n")
+
+
+def _why(path: Path, e: OSError) -> str:
+    """``PATH: reason`` for a failed write (a DiskFullError names the path itself)."""
+    text = str(e.strerror or e)
+    return text if str(path) in text else f"{path}: {text}"
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -232,6 +282,7 @@ def launch(
 
     procs: list[subprocess.Popen[bytes]] = []
     files: list[IO[bytes]] = []
+    pumps: list[_ErrPump] = []
     exits: dict[int, RankExit] = {}
     stopping: set[int] = set()
     events: queue.Queue[tuple[int, int, float]] = queue.Queue()
@@ -263,11 +314,16 @@ def launch(
                 out = open(rd.rank_log(rank, "out"), "ab")  # noqa: SIM115 (closed in finally)
                 err = open(rd.rank_log(rank, "err"), "ab")  # noqa: SIM115
                 files += [out, err]
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, env=env,
                                         start_new_session=True, cwd=cwd)
                 procs.append(proc)
+                assert proc.stderr is not None
+                pumps.append(_ErrPump(proc.stderr, err))
                 threading.Thread(target=_reap, args=(rank, proc, events), daemon=True).start()
-            _write_launch_record(run_dir, job_id, procs, envs, threads, argv)
+            try:
+                _write_launch_record(run_dir, job_id, procs, envs, threads, argv)
+            except OSError as e:  # a full disk: the ranks will say what failed; the launcher goes on
+                sys.stderr.write(f"cyclone_kit: warning: could not write {rd.launch}: {e.strerror or e}\n")
             if on_start is not None:
                 on_start(procs)
             deadline = None if timeout_s is None else started + timeout_s
@@ -313,11 +369,14 @@ def launch(
                 exits[rank] = RankExit(rank, envs[rank]["SLURMD_NODENAME"], proc.pid, proc.returncode,
                                        time.monotonic() - started, stopped=True)
         _kill_leftovers(procs)
+        for pump in pumps:
+            pump.join()
         if follower is not None:
             follower.pump()
             follower.close()
         for f in files:
-            f.close()
+            with contextlib.suppress(OSError):  # a full disk: the log lost its tail, the launcher knows it
+                f.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     ended = time.monotonic()
@@ -329,10 +388,43 @@ def launch(
         interrupted=interrupted,
         wall_time_s=ended - started,
         stop_s=None if stop_began is None else max(e.elapsed_s for e in exits.values()) - (stop_began - started),
+        stderr_tails=tuple(tuple(p.tail()) for p in pumps),
     )
     if not result.ok:
-        failures.write_failure(run_dir, failure_record(result))
+        try:
+            failures.write_failure(run_dir, failure_record(result))
+        except OSError as e:  # a full disk: say so, and still report the root cause
+            result = dataclasses.replace(result, record_error=_why(RunDir(run_dir).failure, e))
     return result
+
+
+class _ErrPump:
+    """Copies a rank's stderr pipe into its log file and keeps the last lines in memory: the
+    launcher can report a rank's last words even when its log could not take them (a full disk)."""
+
+    def __init__(self, pipe: IO[bytes], log: IO[bytes], keep_bytes: int = 64_000) -> None:
+        self.pipe, self.log, self.keep = pipe, log, keep_bytes
+        self.buffer = bytearray()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while chunk := os.read(self.pipe.fileno(), 65536):
+            self.buffer += chunk
+            del self.buffer[: max(len(self.buffer) - self.keep, 0)]
+            with contextlib.suppress(OSError):
+                os.write(self.log.fileno(), chunk)
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Wait until every process holding the pipe has closed it (or ``timeout``)."""
+        self.thread.join(timeout)
+        with contextlib.suppress(OSError):
+            self.pipe.close()
+
+    def tail(self, n: int = STDERR_TAIL_LINES) -> list[str]:
+        """The last ``n`` lines written (decoded, without line ends)."""
+        lines = bytes(self.buffer).decode("utf-8", errors="replace").splitlines()
+        return lines[-n:]
 
 
 def _reap(rank: int, proc: subprocess.Popen[bytes], events: queue.Queue[tuple[int, int, float]]) -> None:

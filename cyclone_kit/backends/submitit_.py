@@ -293,6 +293,12 @@ class SubmititBackend:
             return run_dir_status(str(job), getattr(job, "run_dir", None))
         return SlurmBackend().status(str(job))
 
+    def status_many(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """:meth:`status` of each job; Slurm's jobs in one squeue (and one sacct) call."""
+        if self.chosen_executor() == "local":
+            return {str(j): self.status(j) for j in jobs}
+        return SlurmBackend().status_many([str(j) for j in jobs])
+
     def cancel(self, job: str) -> None:
         """Cancel a Slurm job (``scancel``); a local one has finished already.
 

@@ -34,15 +34,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--horovod", action="store_true",
                    help="a Horovod script: run Horovod's Gloo rendezvous before it, so hvd.init() finds every rank")
     p.add_argument("--resume", metavar="RUN_DIR", help="run an existing run directory again (its spec.json); "
-                   "training resumes from its newest checkpoint")
+                   "training resumes from its newest checkpoint that verifies (refused, exit 2, when none does)")
+    p.add_argument("--restart-from-scratch", action="store_true",
+                   help="with --resume: start over at step 0 when no checkpoint can be loaded (else refused)")
     p.set_defaults(func=run)
+
+
+#: The ranks' variables for --resume and --restart-from-scratch (read by cyclone_kit.runtime.checkpoint).
+RESUME_VAR, FROM_SCRATCH_VAR = "CYCLONE_RESUME", "CYCLONE_RESTART_FROM_SCRATCH"
+
+
+def resume_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that tells the ranks they must resume (and whether they may start over)."""
+    env = {RESUME_VAR: "1"} if args.resume else {}
+    if args.restart_from_scratch:
+        env[FROM_SCRATCH_VAR] = "1"
+    return env
 
 
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
     from cyclone_kit.backends.local import LocalBackend, local_job
     from cyclone_kit.backends.local_env import working_directory
-    from cyclone_kit.backends.srun_emulator import format_failure, launch
+    from cyclone_kit.backends.srun_emulator import format_failure, launch, record_submission
     from cyclone_kit.config.job import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.config.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
     from cyclone_kit.core.errors import ValidationError
@@ -55,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValidationError(f"--{flag}={value} must be at least 1", hint=f"e.g. --{flag} 2")
     if args.timeout is not None and args.timeout <= 0:
         raise ValidationError(f"--timeout={args.timeout:g} must be positive", hint="e.g. --timeout 600")
+    if args.restart_from_scratch and not args.resume:
+        raise ValidationError("--restart-from-scratch is for --resume RUN_DIR",
+                              hint="a new run starts at step 0 anyway; drop the flag or add --resume RUN_DIR")
     if args.resume:
         rd = RunDir(Path(args.resume).absolute())
         if not rd.is_run_dir():
@@ -83,8 +100,11 @@ def run(args: argparse.Namespace) -> int:
     result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
                     command=rank_argv(job.spec, run_dir), cwd=working_directory(job.spec),
                     timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
-                    extra_env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None)
-    rd.write_submission(result.job_id, LocalBackend.name)
+                    extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
+    if not result.ok:  # the root cause first, then (on a full disk) why the run directory could not record it
+        sys.stderr.write((format_failure(result) if result.first_failure is not None else
+                          f"error: interrupted; every rank was stopped. HINT: see {rd.failure}") + "\n")
+    record_submission(rd, result.job_id, LocalBackend.name)
     if result.ok:
         status = rd.end_status() or "ended"
         hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""
@@ -92,8 +112,4 @@ def run(args: argparse.Namespace) -> int:
         if rd.script_warning():
             print(f"warning: {rd.script_warning()}")
         return 0
-    if result.first_failure is None:
-        sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {rd.failure}\n")
-        return result.returncode
-    sys.stderr.write(format_failure(result) + "\n")
     return result.returncode

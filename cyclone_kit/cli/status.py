@@ -45,21 +45,25 @@ def run(args: argparse.Namespace) -> int:
         rows = lookup.rows(target)
         runs = _run_dirs(target.kind, target.path)
     else:
-        found = find_runs(runs_dir)[:20]
+        found = find_runs(runs_dir)  # every run, and Slurm asked once for all of them (one squeue, one sacct)
         if not found:
             raise ValidationError(f"no runs found under {args.runs_dir!r}",
                                   hint="give a job id, a run directory or a study directory")
-        rows = [lookup.run_row(p) for p in found]
+        rows = lookup.run_rows(found)
         runs = found
     for row in rows:
         if row.root_cause:
             print(f"root cause ({row.job_id} {row.name}): {row.root_cause}")
+        for warning in row.warnings:
+            print(f"warning ({row.job_id} {row.name}): {warning}")
     header = ["JOBID", "NAME", "STATE", "NODES", "ELAPSED", "REASON"]
     table = [header, *(r.cells() for r in rows)]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     for row in rows:
+        if row.history:
+            print(f"{row.job_id} {row.name}: {row.history}")
         if row.note:
             print(row.note)
     _script_warnings(runs)

@@ -100,6 +100,7 @@ class TrainConfig:
     pipeline_stages: int = 0  # ranks per pipeline (0: all); world / pipeline_stages data-parallel replicas
     pipeline_schedule: str = "gpipe"
     fp16_allreduce: bool = False
+    max_nonfinite_steps: int = 0  # stop after this many consecutive steps with a NaN/inf loss (0: never)
 
     def __post_init__(self) -> None:
         check_choice("train.model", self.model, MODELS)
@@ -111,7 +112,8 @@ class TrainConfig:
         for name in ("image_size", "num_classes", "batch_size", "base_batch_size", "grad_accum", "log_every",
                      "bucket_cap_mb", "pg_timeout_s", "microbatches", "synthetic_samples"):
             check_positive(f"train.{name}", getattr(self, name))
-        for name in ("steps", "epochs", "warmup_steps", "val_every_epochs", "val_samples", "seed", "pipeline_stages"):
+        for name in ("steps", "epochs", "warmup_steps", "val_every_epochs", "val_samples", "seed", "pipeline_stages",
+                     "max_nonfinite_steps"):
             check_non_negative(f"train.{name}", getattr(self, name))
         if self.steps == 0 and self.epochs == 0:
             raise ValidationError("train.steps and train.epochs are both 0", hint="set train.steps=N or train.epochs=N")
@@ -170,9 +172,17 @@ class CheckpointConfig:
     signal_lead_s: int = 120
     sharded: bool = False
     poll_s: float = 0.5  # seconds between the ranks' stop-flag agreements (0: after every step)
+    stall_floor_s: float = 60.0  # a rank with no step for max(this, stall_factor x median step) is stalled (0: off)
+    stall_factor: float = 20.0
 
     def __post_init__(self) -> None:
         check_non_negative("checkpoint.every_steps", self.every_steps)
+        if self.stall_floor_s < 0 or self.stall_factor < 1:
+            raise ValidationError(
+                f"checkpoint.stall_floor_s={self.stall_floor_s}, stall_factor={self.stall_factor}: a rank is "
+                "stalled after max(floor, factor x median step) without a step",
+                hint="keep the defaults 60 and 20 (stall_floor_s = 0 turns the progress watchdog off; factor >= 1)",
+            )
         check_positive("checkpoint.keep", self.keep)
         check_non_negative("checkpoint.max_requeues", self.max_requeues)
         check_choice("checkpoint.signal", self.signal, SIGNALS)

@@ -6,6 +6,7 @@ exit code 2; nothing else should reach the user as a traceback.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 
 
@@ -32,6 +33,10 @@ class CycloneError(Exception):
 
 class ValidationError(CycloneError):
     """A spec, profile, flag or environment value is invalid."""
+
+
+class ResumeRefused(ValidationError):
+    """A run that should continue from a checkpoint found none it can load, and will not start over at step 0."""
 
 
 class ParseError(CycloneError):
@@ -64,6 +69,26 @@ class CommandError(CycloneError):
 
 class CommandNotFound(CommandError):
     """An external command (sbatch, scontrol, ...) is not on PATH."""
+
+
+class DiskFullError(CycloneError, OSError):
+    """A file could not be written because its file system is full (or over quota); the message
+    names the path, the space needed and the space free. Exit code 1: the run failed, the input was fine.
+
+    Also an :class:`OSError` (``errno.ENOSPC``), so code that handles a failed write still does.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        CycloneError.__init__(self, message, hint)
+        self.errno, self.strerror, self.filename = errno.ENOSPC, message, None
+
+
+class TrainingDiverged(CycloneError):
+    """The loss was not finite (NaN or infinite) for more consecutive steps than the run allows."""
+
+    exit_code = 1
 
 
 class RankFailure(CycloneError):

@@ -21,7 +21,11 @@ Records (the fields every writer must give; a writer may add more):
   cyclone_kit}, git_commit, restart_count; schema 2 adds phase_timing and comm_timing
   (:data:`START_PHASE_FIELDS`: how the step phases were timed, null when they were not).
 * ``step`` (:data:`STEP_FIELDS`): step, epoch, loss, step_time_s, data_time_s, samples_per_s
-  (global), time; schema 2 adds the phases of the step (:data:`PHASE_FIELDS`, seconds per step,
+  (global), time. ``loss`` is a number, null (no loss given) or, for a loss that was not
+  finite, one of the strings :data:`NONFINITE_LOSS` (``"NaN"``, ``"Infinity"``,
+  ``"-Infinity"``; JSON has no such numbers); ``nonfinite_steps`` (optional) counts the steps
+  of the window whose loss was not finite.
+  Schema 2 adds the phases of the step (:data:`PHASE_FIELDS`, seconds per step,
   null where not measured): compute_time_s, comm_time_s, comm_exposed_s, other_time_s,
   bubble_time_s. With ``data_time_s`` they split the step:
   ``step_time_s = data_time_s + compute_time_s + comm_exposed_s + other_time_s`` (+
@@ -40,6 +44,7 @@ with those fields null (:func:`missing_fields` checks each record against its ow
 from __future__ import annotations
 
 import datetime
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -133,16 +138,70 @@ def step_record(step: int, epoch: int | None, loss: float | None, step_time_s: f
                 samples_per_s: float, time: str, *, compute_time_s: float | None = None,
                 comm_time_s: float | None = None, comm_exposed_s: float | None = None,
                 other_time_s: float | None = None, bubble_time_s: float | None = None, **extra: Any) -> dict[str, Any]:
-    """A ``step`` record (pure); the phases (:data:`PHASE_FIELDS`) are null unless given; ``extra``
-    fields (:data:`PIPELINE_STEP_FIELDS`) follow the contract's."""
-    return record("step", step=step, epoch=epoch, loss=loss, step_time_s=step_time_s, data_time_s=data_time_s,
-                  samples_per_s=samples_per_s, time=time, compute_time_s=compute_time_s, comm_time_s=comm_time_s,
-                  comm_exposed_s=comm_exposed_s, other_time_s=other_time_s, bubble_time_s=bubble_time_s, **extra)
+    """A ``step`` record (pure); a non-finite ``loss`` is written as its string (:func:`encode_loss`);
+    the phases (:data:`PHASE_FIELDS`) are null unless given; ``extra`` fields
+    (:data:`PIPELINE_STEP_FIELDS`) follow the contract's."""
+    return record("step", step=step, epoch=epoch, loss=encode_loss(loss), step_time_s=step_time_s,
+                  data_time_s=data_time_s, samples_per_s=samples_per_s, time=time, compute_time_s=compute_time_s,
+                  comm_time_s=comm_time_s, comm_exposed_s=comm_exposed_s, other_time_s=other_time_s,
+                  bubble_time_s=bubble_time_s, **extra)
 
 
 def pipeline_step_fields(compute_s: Sequence[float], idle_s: Sequence[float]) -> dict[str, list[float]]:
     """The :data:`PIPELINE_STEP_FIELDS` of a step record, one value per pipeline position (pure)."""
     return {"stage_compute_s": [float(c) for c in compute_s], "stage_idle_s": [float(i) for i in idle_s]}
+
+
+#: How a loss that is not finite is written (JSON has no NaN or infinity) -> its value.
+NONFINITE_LOSS: Mapping[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def encode_loss(loss: float | None) -> float | str | None:
+    """A loss as the contract writes it: the number, None, or ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` (pure)."""
+    if isinstance(loss, float) and not math.isfinite(loss):
+        return "NaN" if math.isnan(loss) else ("Infinity" if loss > 0 else "-Infinity")
+    return loss
+
+
+def decode_loss(value: Any) -> float | None:
+    """The loss a ``step`` record holds, as a float (NaN / inf for the non-finite strings), or None (pure)."""
+    if isinstance(value, str):
+        return NONFINITE_LOSS.get(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+_NUMBER = (int, float)
+_OPTIONAL_NUMBER = (int, float, type(None))
+#: kind -> field -> the JSON types the contract allows (booleans are never numbers).
+FIELD_TYPES: Mapping[str, Mapping[str, tuple[type, ...]]] = {
+    "start": {"world_size": (int,), "num_nodes": (int,), "restart_count": (int, type(None))},
+    "step": {"step": (int,), "epoch": (int, type(None)), "loss": (int, float, str, type(None)),
+             "step_time_s": _OPTIONAL_NUMBER, "data_time_s": _OPTIONAL_NUMBER, "samples_per_s": _OPTIONAL_NUMBER,
+             "time": (str, type(None))},
+    "epoch": {"epoch": (int,), "val_accuracy": _OPTIONAL_NUMBER, "epoch_time_s": _OPTIONAL_NUMBER},
+    "end": {"status": (str,), "steps": (int, type(None)), "samples_per_s": _OPTIONAL_NUMBER,
+            "wall_time_s": _OPTIONAL_NUMBER},
+}
+
+
+def type_error(rec: Mapping[str, Any]) -> str | None:
+    """Why ``rec`` breaks the contract's field types (``step is 'abc', not a number``), or None (pure).
+
+    Only fields present are checked (:func:`missing_fields` says what is absent).
+    """
+    for name, allowed in FIELD_TYPES.get(str(rec.get("kind")), {}).items():
+        if name not in rec:
+            continue
+        value = rec[name]
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+            want = "an integer" if allowed[0] is int and float not in allowed else (
+                "a string" if allowed[0] is str else "a number")
+            return f"{rec.get('kind')} field {name!r} is {value!r}, not {want}"
+        if name == "loss" and isinstance(value, str) and value not in NONFINITE_LOSS:
+            return f"step field 'loss' is {value!r}, not a number (or one of {', '.join(NONFINITE_LOSS)})"
+    return None
 
 
 def epoch_record(epoch: int, val_accuracy: float | None, epoch_time_s: float, time: str) -> dict[str, Any]:

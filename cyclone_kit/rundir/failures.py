@@ -26,6 +26,7 @@ Stdlib only (the watchdog imports it without cost).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -39,7 +40,7 @@ from cyclone_kit.rundir.fileio import read_json, write_atomic, write_new
 from cyclone_kit.rundir.layout import RunDir
 
 SCHEMA = 1
-CAUSES = ("rank_failed", "interrupted")
+CAUSES = ("rank_failed", "interrupted", "stalled", "rank_lost")
 #: The launchers' rank variables, most specific first (torchrun, Slurm, Open MPI, MPICH/PMI, submitit).
 RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SUBMITIT_LOCAL_GLOBALID")
 
@@ -177,13 +178,85 @@ def read_error_record(run_dir: Path, rank: int) -> dict[str, Any] | None:
 
 
 def write_failure(run_dir: Path, doc: Mapping[str, Any], *, first_wins: bool = False) -> bool:
-    """Write ``failure.json``; with ``first_wins`` only when none exists yet. True when written."""
-    path = RunDir(run_dir).failure
+    """Write ``failure.json``; with ``first_wins`` only when none of this segment exists yet. True when written.
+
+    A ``failure.json`` of an earlier segment of a requeued run (another ``segment``, or older
+    than this segment's ``start`` record) is first moved to ``ranks/failure-SEGMENT.json``.
+    """
+    rd = RunDir(run_dir)
+    path = rd.failure
     text = json.dumps(dict(doc), indent=2) + "\n"
+    _retire_earlier(rd, doc)
     if first_wins:
         return write_new(path, text)
     write_atomic(path, text)
     return True
+
+
+def _retire_earlier(rd: RunDir, doc: Mapping[str, Any]) -> None:
+    """Move a ``failure.json`` that belongs to an earlier segment out of the way."""
+    old = read_failure(rd.path)
+    if old is None:
+        return
+    mine, theirs = doc.get("segment"), old.get("segment")
+    starts = segment_starts(rd.path)
+    earlier = (mine and theirs and mine != theirs) or (
+        bool(starts) and str(old.get("time", "")) < starts[-1] <= str(doc.get("time") or utc_now()))
+    if not earlier:
+        return
+    rd.ranks.mkdir(parents=True, exist_ok=True)
+    target = rd.past_failure(str(theirs or old.get("time", "earlier")))
+    with contextlib.suppress(OSError):
+        os.replace(rd.failure, target)
+
+
+def segment_id(environ: Mapping[str, str]) -> str:
+    """``JOBID:RESTARTS``, this run segment's name in progress and failure records (pure)."""
+    array = environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{environ.get('SLURM_ARRAY_TASK_ID', '')}" if array else environ.get("SLURM_JOB_ID", "")
+    return f"{job}:{environ.get('SLURM_RESTART_COUNT', '') or '0'}"
+
+
+def segment_starts(run_dir: Path) -> list[str]:
+    """The times of the run's segment ``start`` records (metrics, else the launch shim's), oldest first."""
+    rd = RunDir(run_dir)
+    for path in (rd.metrics, rd.shim):
+        times = [str(r["time"]) for r in _records(path) if r.get("kind") == "start" and r.get("time")]
+        if times:
+            return times
+    return []
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def record_stall(run_dir: Path, doc: Mapping[str, Any], own: Mapping[str, Any] | None,
+                 on_behalf: Sequence[Mapping[str, Any]] = ()) -> bool:
+    """A stall's writes: ``own`` (the writer's error record, when it is a stuck rank), ``failure.json``
+    (first of this segment wins) and, by the winner, the error records of stuck ranks that could
+    not write theirs (never over one they wrote). True when this call wrote ``failure.json``."""
+    rd = RunDir(run_dir)
+    rd.ranks.mkdir(parents=True, exist_ok=True)
+    if own is not None:
+        write_atomic(rd.error_record(int(own["rank"])), json.dumps(dict(own), indent=1) + "\n")
+    won = write_failure(rd.path, doc, first_wins=True)
+    if won:
+        for rec in on_behalf:
+            write_new(rd.error_record(int(rec["rank"])), json.dumps(dict(rec), indent=1) + "\n")
+    return won
 
 
 def record_death(run_dir: Path, record: Mapping[str, Any]) -> None:
@@ -222,13 +295,20 @@ def read_failure(run_dir: Path) -> dict[str, Any] | None:
 
 
 def root_cause(run_dir: Path) -> str | None:
-    """The first failure of a run, as one line, or None when nothing failed.
+    """The first failure of the run's last segment, as one line, or None when nothing failed.
+
+    Records older than the last segment's ``start`` record belong to an earlier segment of a
+    requeued run (see :func:`segment_history`) and are not this segment's root cause.
 
     ``failure.json`` (written by whoever saw which rank died first) wins, except an interrupt
     after which every rank checkpointed and exited 0 (a stop on request); else the earliest
     per-rank error record. Older schema-less records (``first`` only) are read too.
     """
+    starts = segment_starts(run_dir)
+    since = starts[-1] if starts else ""
     failure = read_failure(run_dir)
+    if failure is not None and str(failure.get("time", "")) < since:
+        failure = None  # an earlier segment's: the requeued run went on
     if failure is not None:
         ranks = failure.get("ranks")
         if failure.get("cause") == "interrupted" and isinstance(ranks, list) and ranks and all(
@@ -238,8 +318,72 @@ def root_cause(run_dir: Path) -> str | None:
             return failure["root_cause"]
         first = failure.get("first") if isinstance(failure.get("first"), dict) else failure
         return format_error_record(first)
-    records = [r for r in (read_json(p) for p in RunDir(run_dir).error_records()) if isinstance(r, dict)]
+    records = [r for r in (read_json(p) for p in RunDir(run_dir).error_records())
+               if isinstance(r, dict) and str(r.get("time", "")) >= since]
     if not records:
         return None
     records.sort(key=lambda r: (str(r.get("time", "")), r.get("rank", 0)))
     return format_error_record(records[0])
+
+
+def segment_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's segments (one per ``start`` record: a requeued run has several), oldest first.
+
+    Each: ``restart_count``, ``start`` (time), ``status`` (its ``end`` record's, None when it
+    wrote none: it died) and ``failure`` (the failure record written during it, or None).
+    """
+    rd = RunDir(run_dir)
+    records = _records(rd.metrics)
+    if not any(r.get("kind") == "start" for r in records):
+        records = _records(rd.shim)
+    segments: list[dict[str, Any]] = []
+    for rec in records:
+        if rec.get("kind") == "start":
+            segments.append({"restart_count": rec.get("restart_count"), "start": str(rec.get("time", "")),
+                             "status": None, "failure": None})
+        elif rec.get("kind") == "end" and segments and segments[-1]["status"] is None:
+            segments[-1]["status"] = rec.get("status")
+    docs = [d for d in (read_json(p) for p in [*rd.past_failures(), rd.failure]) if isinstance(d, dict)]
+    for doc in docs:
+        when = str(doc.get("time", ""))
+        owners = [s for s in segments if s["start"] <= when]
+        if owners and owners[-1]["failure"] is None:
+            owners[-1]["failure"] = doc
+    return segments
+
+
+def segment_label(segment: Mapping[str, Any], slurm_state: str | None = None) -> str:
+    """``NODE_FAIL on c2``, ``STALLED on c1``, ``PREEMPTED``, ``completed``: what ended a segment (pure).
+
+    ``slurm_state`` is what accounting says about that run of the job (sacct ``--duplicates``);
+    it wins where it says more than ``REQUEUED``. The host comes from the segment's failure record.
+    """
+    failure = segment.get("failure") or {}
+    cause = failure.get("cause")
+    state = (slurm_state or "").split()[0].upper() if slurm_state else ""
+    if segment.get("status") == "completed" and not failure:
+        return "completed"
+    if state and state not in ("REQUEUED", "COMPLETED", "RUNNING", "PENDING"):
+        label = state
+    elif cause in ("stalled", "rank_lost", "rank_failed"):
+        label = {"stalled": "STALLED", "rank_lost": "RANK_LOST", "rank_failed": "FAILED"}[cause]
+    elif segment.get("status") in ("preempted", "cancelled", "failed"):
+        label = str(segment["status"]).upper()
+    else:
+        label = state or "ENDED"
+    host = failure.get("host")
+    return f"{label} on {host}" if host else label
+
+
+def history_line(segments: Sequence[Mapping[str, Any]], slurm_states: Sequence[str] = ()) -> str | None:
+    """``completed (2 segments: NODE_FAIL on c2, then completed)`` for a run with several segments (pure).
+
+    ``slurm_states``: accounting's state of each run of the job, oldest first (may be shorter).
+    None for a run of one segment.
+    """
+    if len(segments) < 2:
+        return None
+    labels = [segment_label(s, slurm_states[i] if i < len(slurm_states) else None) for i, s in enumerate(segments)]
+    last = labels[-1] if segments[-1].get("status") is not None else "running"
+    head = last.split(" on ")[0].lower() if last != "completed" else "completed"
+    return f"{head} ({len(segments)} segments: {', '.join(labels[:-1])}, then {last})"

@@ -55,6 +55,7 @@ LAUNCH_FILE = "launch.json"
 FAILURE_FILE = "failure.json"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
+PROGRESS_DIR = "progress"  # the ranks' progress records (cyclone_kit/runtime/progress.py)
 SUBMITIT_DIR = "submitit"
 SUBMITIT_JOB_FILE = "submitit_job"
 SWEEP_FILE = "sweep.json"
@@ -175,6 +176,28 @@ class RunDir:
         """Every rank's error record, in rank order."""
         return sorted(self.ranks.glob("error-rank-*.json"))
 
+    @property
+    def progress(self) -> Path:
+        """``RUN_DIR/progress``: the ranks' progress records."""
+        return self.path / PROGRESS_DIR
+
+    def progress_record(self, rank: int) -> Path:
+        """``progress/rank-NNNNN.json``: a rank's progress record (:mod:`cyclone_kit.runtime.progress`)."""
+        return self.progress / f"rank-{rank:05d}.json"
+
+    def progress_records(self) -> list[Path]:
+        """Every rank's progress record, in rank order."""
+        return sorted(self.progress.glob("rank-*.json"))
+
+    def past_failure(self, segment: str) -> Path:
+        """``ranks/failure-SEGMENT.json``: the failure record of an earlier segment of a requeued run."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in segment)
+        return self.ranks / f"failure-{safe}.json"
+
+    def past_failures(self) -> list[Path]:
+        """The failure records of earlier segments."""
+        return sorted(self.ranks.glob("failure-*.json"))
+
     # ------------------------------------------------------------------ reads and writes
     def is_run_dir(self) -> bool:
         """A run directory holds the resolved ``spec.json``."""
@@ -263,6 +286,10 @@ class RunDir:
     def end_record(self) -> dict[str, Any] | None:
         """The last ``end`` record in ``metrics.jsonl`` (None if there is none)."""
         return last_end_record(self.metrics)
+
+    def start_record(self) -> dict[str, Any] | None:
+        """The last ``start`` record in ``metrics.jsonl`` (None if there is none)."""
+        return last_record(self.metrics, "start")
 
     def newest_checkpoint(self) -> Path | None:
         """The checkpoint written last (None when there is none)."""
@@ -418,6 +445,11 @@ def is_run_dir(path: Path) -> bool:
 
 def last_end_record(metrics: Path) -> dict[str, Any] | None:
     """The last ``end`` record in a ``metrics.jsonl`` (None if there is none)."""
+    return last_record(metrics, "end")
+
+
+def last_record(metrics: Path, kind: str) -> dict[str, Any] | None:
+    """The last record of ``kind`` in a ``metrics.jsonl`` (None if there is none)."""
     found = None
     try:
         lines = Path(metrics).read_text(encoding="utf-8", errors="replace").splitlines()
@@ -428,7 +460,7 @@ def last_end_record(metrics: Path) -> dict[str, Any] | None:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("kind") == "end":
+        if isinstance(rec, dict) and rec.get("kind") == kind:
             found = rec
     return found
 

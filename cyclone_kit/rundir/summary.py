@@ -6,8 +6,10 @@ Above both :mod:`~cyclone_kit.rundir.layout` (where the files are) and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.failures import root_cause
@@ -24,6 +26,19 @@ class RunRecord:
     backend: str | None
     end_status: str | None
     root_cause: str | None
+    notes: tuple[str, ...] = ()
+
+
+def checkpoint_notes(start: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """What the last segment's ``start`` record says about damaged checkpoints it skipped (pure)."""
+    start = start or {}
+    skipped = start.get("skipped_checkpoints")
+    if not isinstance(skipped, list):
+        return ()
+    resumed = start.get("resumed_from")
+    then = f"; resumed from {resumed} at step {start.get('start_step')}" if resumed else ""
+    return tuple(f"skipped damaged checkpoint {s.get('path')} ({s.get('reason')}){then}"
+                 for s in skipped if isinstance(s, dict))
 
 
 def read_run(run_dir: Path) -> RunRecord:
@@ -35,4 +50,4 @@ def read_run(run_dir: Path) -> RunRecord:
         raise ValidationError(f"{str(rd.path)!r} is not a run directory (no {SPEC_FILE})",
                               hint="give a directory created by cyclone-kit submit or run")
     return RunRecord(rd.path, str(rd.read_spec().get("name", rd.path.name)), rd.job_id(), rd.backend(),
-                     rd.end_status(), root_cause(rd.path))
+                     rd.end_status(), root_cause(rd.path), checkpoint_notes(rd.start_record()))

@@ -7,29 +7,79 @@ RNG states of every rank (torch, CUDA, numpy, python). It is written to a tempor
 same directory, fsync'ed and renamed into place (then the directory is fsync'ed), so a kill
 at any moment leaves either the old set or the new set of complete files. Loading uses
 ``weights_only=True``: a checkpoint can hold tensors and plain containers only, never code.
+
+Every checkpoint has a checksum file beside it (``ckpt-<step:09d>.pt.sha256``: the SHA-256 of
+the bytes written, in ``sha256sum`` format), written before the checkpoint is renamed into
+place and verified before it is loaded: a flipped bit or a torn file is skipped with its
+reason, and the previous checkpoint is loaded instead (:func:`scan_latest`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cyclone_kit.rundir.fileio import atomic_file
+from cyclone_kit.core.errors import DiskFullError
+from cyclone_kit.rundir.fileio import atomic_file, disk_full_message, free_bytes, is_disk_full, write_atomic
 
 FORMAT = 1
 #: The key under which a checkpoint written through the public API (``ck.save_checkpoint``) holds the script's dict.
 USER_STATE = "user_state"
+#: The suffix of a checkpoint's checksum file (``ckpt-000000100.pt.sha256``, in ``sha256sum`` format).
+DIGEST_SUFFIX = ".sha256"
+#: Set to 1 by ``cyclone-kit run --resume``: the run must continue from a checkpoint.
+RESUME_VAR = "CYCLONE_RESUME"
+#: Set to 1 (``--restart-from-scratch``) to start at step 0 although no checkpoint could be loaded.
+FROM_SCRATCH_VAR = "CYCLONE_RESTART_FROM_SCRATCH"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_CHUNK = 1 << 20
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file whose bytes are not the bytes written (checksum mismatch) or not a checkpoint."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint passed over while looking for the newest loadable one.
+
+    Attributes:
+        path: the file.
+        reason: why, in words (``checksum mismatch: ...``, ``RuntimeError: ...``).
+    """
+
+    path: Path
+    reason: str
+
+    def line(self) -> str:
+        """``skipping damaged checkpoint PATH (REASON)``."""
+        return f"skipping damaged checkpoint {self.path} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What :func:`scan_latest` found: the newest loadable checkpoint (or None) and what it skipped."""
+
+    found: tuple[dict[str, Any], Path] | None
+    skipped: tuple[Skipped, ...] = ()
 
 
 def checkpoint_path(folder: Path, step: int) -> Path:
     """The file name of the checkpoint after ``step`` optimizer steps."""
     return Path(folder) / f"ckpt-{step:09d}.pt"
+
+
+def digest_path(path: Path) -> Path:
+    """The checksum file of checkpoint ``path`` (``ckpt-N.pt`` -> ``ckpt-N.pt.sha256``)."""
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
 
 
 def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
@@ -45,8 +95,36 @@ def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+class _Hashing:
+    """A binary file wrapper that hashes (and counts) every byte written through it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += len(view)
+        return self.f.write(view) if self.f is not None else len(view)
+
+    def flush(self) -> None:
+        if self.f is not None:
+            self.f.flush()
+
+
+def serialized_size(state: dict[str, Any]) -> int:
+    """How many bytes ``torch.save`` writes for ``state`` as a checkpoint (serialised, not stored)."""
+    sink = _Hashing(None)
+    torch.save({"format": FORMAT, **state}, sink)
+    return sink.size
+
+
 def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -> Path:
     """Write ``state`` as the checkpoint of ``step`` atomically and keep only the newest ``keep``.
+
+    The SHA-256 of the bytes written goes into ``<checkpoint>.sha256`` (``sha256sum -c`` reads
+    it) before the checkpoint is renamed into place; loading verifies it. Older checkpoints are
+    deleted only after the new one is complete, so a failed write leaves them as they were.
 
     Args:
         folder: the checkpoint directory (created if needed).
@@ -56,35 +134,134 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
 
     Returns:
         The path of the new checkpoint.
+
+    Raises:
+        DiskFullError: the file system is full (the message names the path, the space needed and free).
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(folder, step)
-    with atomic_file(final, fsync_dir=True) as f:
-        torch.save({"format": FORMAT, **state}, f)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with atomic_file(final, fsync_dir=True) as f:
+            out = _Hashing(f)
+            torch.save({"format": FORMAT, **state}, out)
+            write_atomic(digest_path(final), f"{out.sha.hexdigest()}  {final.name}\n")  # before the rename
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        digest_path(final).unlink(missing_ok=True)
+        raise DiskFullError(
+            disk_full_message("checkpoint", final, serialized_size(state), free_bytes(folder))
+            + f"; the older checkpoints are intact ({len(list_checkpoints(folder))} in {folder})",
+            hint=f"free space there (or lower checkpoint.keep, now {keep}), then run the job again: "
+                 "it resumes from the newest checkpoint") from None
     for _, old in list_checkpoints(folder)[keep:]:
         old.unlink(missing_ok=True)
-    for stale in folder.glob(".ckpt-*.tmp"):  # left by a process killed while writing
-        stale.unlink(missing_ok=True)
+        digest_path(old).unlink(missing_ok=True)
+    for stale in folder.glob(".ckpt-*"):  # temporary files of a process killed while writing
+        if stale.is_file():
+            stale.unlink(missing_ok=True)
+    for digest in folder.glob(f"ckpt-*.pt{DIGEST_SUFFIX}"):  # checksums whose checkpoint is gone
+        if not digest.with_name(digest.name[: -len(DIGEST_SUFFIX)]).exists():
+            digest.unlink(missing_ok=True)
     return final
 
 
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (read in 1 MiB chunks)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def recorded_digest(path: Path) -> str | None:
+    """The SHA-256 recorded for checkpoint ``path`` at save time; None for a checkpoint saved
+    without one (by cyclone_kit before checksums, or copied without its ``.sha256`` file).
+
+    Raises:
+        DamagedCheckpoint: the checksum file exists but is not one.
+    """
+    try:
+        text = digest_path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    digest = text.split()[0] if text.split() else ""
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise DamagedCheckpoint(f"its checksum file {digest_path(path).name} is damaged")
+    return digest
+
+
+def verify_checkpoint(path: Path) -> bool:
+    """Check the file's bytes against the checksum recorded when it was written.
+
+    Returns:
+        True when verified, False when no checksum was recorded (nothing to check against).
+
+    Raises:
+        DamagedCheckpoint: the bytes differ (a flipped bit, a truncated or overwritten file).
+    """
+    expected = recorded_digest(path)
+    if expected is None:
+        return False
+    actual = file_sha256(path)
+    if actual != expected:
+        raise DamagedCheckpoint(f"checksum mismatch: sha256 {actual[:12]}... but {expected[:12]}... was written")
+    return True
+
+
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load one checkpoint (weights_only); raises on a corrupt or foreign file."""
+    """Verify one checkpoint's checksum and load it (weights_only).
+
+    Raises:
+        DamagedCheckpoint: its bytes are not the bytes written, or it is no cyclone_kit checkpoint.
+        Exception: torch could not read it (a torn or foreign file).
+    """
+    verify_checkpoint(path)
     state = torch.load(path, map_location=map_location, weights_only=True)
     if (not isinstance(state, dict) or state.get("format") != FORMAT or "step" not in state
             or ("model" not in state and USER_STATE not in state)):
-        raise ValueError(f"{path} is not a cyclone_kit checkpoint")
+        raise DamagedCheckpoint(f"{path} is not a cyclone_kit checkpoint")
     return state
 
 
-def load_latest(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
-    """The newest checkpoint that loads, skipping (with a warning) corrupt ones; None if none."""
+def scan_latest(folder: Path, map_location: str | torch.device = "cpu") -> Scan:
+    """The newest checkpoint that verifies and loads, and every newer one skipped with its reason."""
+    skipped = []
     for _, path in list_checkpoints(folder):
         try:
-            return load_checkpoint(path, map_location), path
+            return Scan((load_checkpoint(path, map_location), path), tuple(skipped))
+        except DamagedCheckpoint as e:
+            skipped.append(Skipped(path, str(e)))
         except Exception as e:
-            sys.stderr.write(f"cyclone_kit: warning: skipping unreadable checkpoint {path}: {type(e).__name__}: {e}\n")
+            skipped.append(Skipped(path, f"unreadable: {type(e).__name__}: {e}"))
+    return Scan(None, tuple(skipped))
+
+
+def load_latest(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
+    """The newest checkpoint that loads, skipping (with a warning on stderr) damaged ones; None if none."""
+    scan = scan_latest(folder, map_location)
+    for skip in scan.skipped:
+        sys.stderr.write(f"cyclone_kit: warning: {skip.line()}\n")
+    return scan.found
+
+
+def fresh_start_refusal(scan: Scan, folder: Path, *, resuming: bool, from_scratch: bool) -> str | None:
+    """Why this run must not start over at step 0, or None when it may (pure).
+
+    A run whose checkpoints all failed to load, or one told to resume (``run --resume``) that
+    finds no checkpoint, would silently repeat every step done so far (and rotate away the damaged
+    files a user might still repair); it stops instead, unless ``from_scratch`` says otherwise.
+    """
+    if scan.found is not None or from_scratch:
+        return None
+    if scan.skipped:
+        reasons = "; ".join(f"{s.path.name}: {s.reason.split(':')[0]}" for s in scan.skipped)
+        return (f"refusing to start over at step 0: none of the {len(scan.skipped)} checkpoint(s) in {folder} "
+                f"can be loaded ({reasons})")
+    if resuming:
+        return f"refusing to start over at step 0: there is no checkpoint to resume from in {folder}"
     return None
 
 
@@ -127,3 +304,4 @@ def restore_rng(state: dict[str, Any]) -> None:
 def _py_state(state: tuple[Any, ...]) -> list[Any]:
     version, internal, gauss = state
     return [version, list(internal), gauss]
+

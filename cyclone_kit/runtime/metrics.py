@@ -3,7 +3,7 @@
 The records, their fields, the file names and the schema version are defined in
 :mod:`cyclone_kit.rundir.contract` (re-exported here for the engines: ``mx.step_record`` ...);
 :class:`MetricsWriter` is the only code that appends to ``metrics.jsonl``, one line a record,
-flushed per line (a crash loses at most the line being written). Error records belong to
+each appended whole with one write (a crash or a full disk never leaves half a line). Error records belong to
 :mod:`cyclone_kit.rundir.failures` (``write_error_record`` is re-exported here).
 """
 
@@ -16,8 +16,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from cyclone_kit.core.errors import DiskFullError
 from cyclone_kit.rundir.contract import (
     METRICS_FILE,
     SCHEMA,
@@ -32,7 +33,7 @@ from cyclone_kit.rundir.contract import (
     utc_now,
 )
 from cyclone_kit.rundir.failures import write_error_record
-from cyclone_kit.rundir.fileio import write_atomic
+from cyclone_kit.rundir.fileio import FILE_MODE, append_line, disk_full_message, free_bytes, is_disk_full, write_atomic
 from cyclone_kit.rundir.layout import RunDir
 
 __all__ = [
@@ -53,43 +54,61 @@ def git_commit(directory: str | Path) -> str | None:
 
 
 class MetricsWriter:
-    """Appends records to ``metrics.jsonl``, one line each, flushed per line.
+    """Appends records to ``metrics.jsonl``, one whole line each (one ``write``; never a torn line).
 
     Use on rank 0 only. ``None`` as path makes a writer that discards records (other ranks).
+    A full disk raises :class:`~cyclone_kit.core.errors.DiskFullError` naming the file and the
+    bytes needed; the line is then not in the file at all (a short write is cut off again).
     """
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._file: TextIO | None = None
+        self._fd: int | None = None
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            self._fix_partial_line()
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+                self._fix_partial_line()
+            except OSError as e:
+                if is_disk_full(e):
+                    raise _full(path, 1) from None
+                raise
 
     def _fix_partial_line(self) -> None:
         """Start on a fresh line when a crash left the file without its final newline."""
-        assert self.path is not None and self._file is not None
-        size = self.path.stat().st_size
+        assert self.path is not None and self._fd is not None
+        size = os.fstat(self._fd).st_size
         if size:
             with open(self.path, "rb") as f:
                 f.seek(size - 1)
                 if f.read(1) != b"\n":
-                    self._file.write("\n")
-                    self._file.flush()
+                    append_line(self._fd, b"\n")
 
     def write(self, rec: dict[str, Any]) -> None:
-        """Write one record as one line and flush it."""
-        if self._file is None:
+        """Write one record as one line (a single append)."""
+        if self._fd is None:
             return
         rec = {k: _finite(v) for k, v in rec.items()}
-        self._file.write(json.dumps(rec, separators=(",", ":"), allow_nan=False, default=_jsonable) + "\n")
-        self._file.flush()
+        line = (json.dumps(rec, separators=(",", ":"), allow_nan=False, default=_jsonable) + "\n").encode()
+        try:
+            append_line(self._fd, line)
+        except OSError as e:
+            if is_disk_full(e):
+                raise _full(self.path, len(line)) from None
+            raise
 
     def close(self) -> None:
         """Close the file (idempotent)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _full(path: Path | None, needed: int) -> DiskFullError:
+    return DiskFullError(disk_full_message("metrics", Path(str(path)), needed, free_bytes(Path(str(path)).parent))
+                         + "; no line was torn",
+                         hint="free space on that file system, then run the job again: it resumes from the "
+                              "newest checkpoint")
 
 
 def write_rank_summary(run_dir: Path, rank: int, host: str, device: str, samples_per_s: float | None,

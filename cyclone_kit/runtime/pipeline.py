@@ -423,6 +423,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     # The engine's set-up path (threads, device, process group, hosts, stop agreement): the public API's.
     session = open_session(env, environ, Path(run_dir), cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
                            t_start=t_start, group_for_one=True)
+    session.max_nonfinite_steps = tc.max_nonfinite_steps
     device = session.device
     dev = torch.device(device.torch_device)
     configure_backends(tc, device.kind)
@@ -522,6 +523,7 @@ class _Loop:
                 self._log(step, epoch, loss_sum, window)
                 loss_sum = torch.zeros((), device=self.dev)
                 window = {"start": time.perf_counter(), "steps": 0, "data_s": 0.0}
+            session.progress(step)  # the progress watchdog
             agreed = session.poll(step)
             if agreed != NONE:
                 break
@@ -568,7 +570,8 @@ class _Loop:
 
     @torch.no_grad()
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
-        accuracy = self._validate() if validate and self.data.val is not None else None
+        with self.session.not_a_step():  # validation is no step for the progress watchdog
+            accuracy = self._validate() if validate and self.data.val is not None else None
         self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
         if self.env.is_main and accuracy is not None:
             print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)

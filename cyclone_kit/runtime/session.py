@@ -22,6 +22,7 @@ The public API (:mod:`cyclone_kit.api`, for user scripts) and the built-in engin
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import sys
@@ -32,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from cyclone_kit.config.job import CheckpointConfig
-from cyclone_kit.core.errors import CommandError, ValidationError
+from cyclone_kit.core.errors import CommandError, DiskFullError, ResumeRefused, TrainingDiverged, ValidationError
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
 from cyclone_kit.runtime.env import DistEnv
+from cyclone_kit.runtime.progress import END_TIME_VAR, STEPWATCH_VAR, collective_timeout
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, catch_stop_signals, requeue, should_requeue, under_slurm
 
 
@@ -76,6 +78,11 @@ class Session:
     local_rates: list[float] = field(default_factory=list)
     agreed: int = NONE
     ended: bool = False
+    checkpoint_notes: dict[str, Any] = field(default_factory=dict)
+    max_nonfinite_steps: int = 0
+    nonfinite_run: int = 0
+    nonfinite_warned: bool = False
+    watch: Any = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -108,7 +115,7 @@ class Session:
         """Open the metrics file (rank 0) and write the ``start`` record: :meth:`start_fields`
         updated with ``fields`` (model, batch sizes, start_step, ...)."""
         self.writer = mx.MetricsWriter(self.run_dir / mx.METRICS_FILE if self.env.is_main else None)
-        self.writer.write(mx.record("start", **{**self.start_fields(), **fields}))
+        self.writer.write(mx.record("start", **{**self.start_fields(), **self.checkpoint_notes, **fields}))
         return self.writer
 
     def write(self, rec: dict[str, Any]) -> None:
@@ -118,14 +125,23 @@ class Session:
 
     def log_window(self, step: int, epoch: int | None, loss: float | None, steps: int, elapsed_s: float,
                    data_s: float | None, global_samples: float, local_samples: float,
-                   phases: Mapping[str, float | None] | None = None, **extra: Any) -> float:
+                   nonfinite_steps: int | None = None, phases: Mapping[str, float | None] | None = None,
+                   **extra: Any) -> float:
         """Record a window of ``steps`` steps ending at ``step``: a ``step`` record (rank 0) and
         the window's rates (for the end record's steady state); returns the global samples/s.
+        ``extra``: more fields for the step record (the pipeline's per-stage times).
 
         ``data_s`` is the window's data wait in seconds (None: not measured); ``phases``, when the
         step phases were timed, the per-step figures of :mod:`cyclone_kit.runtime.phases`
-        (``data_time_s`` and the contract's ``PHASE_FIELDS``), which take precedence; ``extra``:
-        more fields for the step record (the pipeline's per-stage times)."""
+        (``data_time_s`` and the contract's ``PHASE_FIELDS``), which take precedence.
+
+        A loss that is not finite is recorded as such (``"NaN"``, ``"Infinity"``), warned about
+        once, and counted: ``nonfinite_steps`` of the window (default: all of them when the
+        window's mean loss is not finite).
+
+        Raises:
+            TrainingDiverged: ``max_nonfinite_steps`` consecutive steps had a non-finite loss.
+        """
         elapsed_s = max(elapsed_s, 1e-9)
         n = max(steps, 1)
         rate = global_samples / elapsed_s
@@ -133,8 +149,53 @@ class Session:
         self.local_rates.append(local_samples / elapsed_s)
         per_step = dict(phases or {})
         data = per_step.pop("data_time_s", None if data_s is None else data_s / n)
-        self.write(mx.step_record(step, epoch, loss, elapsed_s / n, data, rate, mx.utc_now(), **per_step, **extra))
+        rec = mx.step_record(step, epoch, loss, elapsed_s / n, data, rate, mx.utc_now(), **per_step, **extra)
+        bad = nonfinite_steps if nonfinite_steps is not None else (
+            n if loss is not None and not math.isfinite(loss) else 0)
+        if bad:
+            rec["nonfinite_steps"] = bad
+        self.write(rec)
+        self._count_nonfinite(step, bad, n)
         return rate
+
+    def _count_nonfinite(self, step: int, bad: int, steps: int) -> None:
+        """Warn at the first non-finite loss; stop after ``max_nonfinite_steps`` in a row."""
+        if not bad:
+            self.nonfinite_run = 0
+            return
+        self.nonfinite_run = bad if bad < steps else self.nonfinite_run + bad
+        if not self.nonfinite_warned and self.env.is_main:
+            self.nonfinite_warned = True
+            limit = (f"training stops after {self.max_nonfinite_steps} such steps in a row"
+                     if self.max_nonfinite_steps else "training goes on (set train.max_nonfinite_steps to stop)")
+            print(f"cyclone_kit: warning: the loss is not finite (NaN or inf) in the window ending at step {step}; "
+                  f"recorded as such; {limit}", flush=True)
+        if self.max_nonfinite_steps and self.nonfinite_run >= self.max_nonfinite_steps:
+            raise TrainingDiverged(
+                f"the loss was not finite for {self.nonfinite_run} step(s) in a row up to step {step} "
+                f"(limit {self.max_nonfinite_steps})",
+                hint="lower the learning rate or use fp32/bf16 precision, then resume from the newest checkpoint "
+                     "(written before the loss diverged) or raise the limit")
+
+    # ------------------------------------------------------------------ progress
+    def progress(self, step: int) -> None:
+        """Optimizer step ``step`` is done on this rank: feeds the progress watchdog
+        (:mod:`cyclone_kit.runtime.progress`), started at the first call. Call after every step."""
+        if self.watch is None:
+            self.watch = start_watch(self)
+        if self.watch:
+            self.watch.beat(step)
+
+    def not_a_step(self) -> Any:
+        """A context for work between steps that is not a step (a checkpoint, a validation pass)."""
+        import contextlib
+
+        return self.watch.paused() if self.watch else contextlib.nullcontext()
+
+    def stop_watch(self) -> None:
+        """The segment ends here: the watchdog stops and marks this rank's progress record ended."""
+        if self.watch:
+            self.watch.stop()
 
     # ------------------------------------------------------------------ stop
     def poll(self, step: int) -> int:
@@ -159,32 +220,57 @@ class Session:
         from cyclone_kit.runtime import checkpoint as ckpt
 
         path = None
-        if self.env.is_main and state is not None:
-            path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
-            print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
-            if after_write is not None:
-                after_write(self.checkpoint_dir)
-        self.barrier()
+        with self.not_a_step():
+            if self.env.is_main and state is not None:
+                path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
+                print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
+                if after_write is not None:
+                    after_write(self.checkpoint_dir)
+            self.barrier()
         return path
 
     def load_latest(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
         """The newest loadable checkpoint of the run, chosen by rank 0 and loaded by every rank
-        (so all resume from the same step); None when there is none. Call on every rank."""
-        from cyclone_kit.runtime import checkpoint as ckpt
+        (so all resume from the same step); None when there is none. Call on every rank.
 
-        if not self.distributed:
-            return ckpt.load_latest(self.checkpoint_dir, map_location)
+        Damaged checkpoints (checksum mismatch, torn) are skipped with a warning on rank 0's
+        console, and recorded for the ``start`` record (``status`` shows them).
+
+        Raises:
+            ResumeRefused: on every rank, when checkpoints exist but none loads, or the run was
+                told to resume (``run --resume``) and finds none; unless ``--restart-from-scratch``.
+        """
         import torch.distributed as dist
 
-        found = ckpt.load_latest(self.checkpoint_dir, map_location) if self.env.is_main else None
-        choice: list[Any] = [str(found[1]) if found else None]
-        dist.broadcast_object_list(choice, src=0, group=side_group())  # rank 0 may take minutes to load it
+        from cyclone_kit.runtime import checkpoint as ckpt
+
+        scan = ckpt.scan_latest(self.checkpoint_dir, map_location) if self.env.is_main else None
+        refusal = None
+        if scan is not None:
+            for skip in scan.skipped:
+                print(f"cyclone_kit: warning: {skip.line()}", flush=True)
+            self.checkpoint_notes = {"skipped_checkpoints": [{"path": s.path.name, "reason": s.reason}
+                                                             for s in scan.skipped]} if scan.skipped else {}
+            refusal = ckpt.fresh_start_refusal(scan, self.checkpoint_dir,
+                                               resuming=self.environ.get(ckpt.RESUME_VAR) == "1",
+                                               from_scratch=self.environ.get(ckpt.FROM_SCRATCH_VAR) == "1")
+            if scan.found is None and scan.skipped and refusal is None:
+                print(f"cyclone_kit: warning: no checkpoint could be loaded; starting over at step 0 "
+                      f"({ckpt.FROM_SCRATCH_VAR}=1)", flush=True)
+        found = scan.found if scan is not None else None
+        choice: list[Any] = [str(found[1]) if found else None, refusal]
+        if self.distributed:
+            dist.broadcast_object_list(choice, src=0, group=side_group())  # rank 0 may take minutes to load it
+        if choice[1] is not None:
+            raise ResumeRefused(choice[1], hint=f"repair or restore a checkpoint there; or start over at step 0 "
+                                f"with cyclone-kit run --resume {self.run_dir} --restart-from-scratch "
+                                f"(a batch job: export {ckpt.FROM_SCRATCH_VAR}=1 and submit it again)")
         if choice[0] is None:
             return None
-        if found is not None:
-            return found
-        path = Path(choice[0])
-        return ckpt.load_checkpoint(path, map_location), path
+        if found is None:
+            found = ckpt.load_checkpoint(Path(choice[0]), map_location), Path(choice[0])
+        self.checkpoint_notes = {**self.checkpoint_notes, "resumed_from": found[1].name}
+        return found
 
     def barrier(self) -> None:
         """Wait for every rank (a no-op for one rank), on the gloo side group: off NCCL's watchdog
@@ -216,9 +302,16 @@ class Session:
         if self.ended:
             return
         self.ended = True
+        if status != "failed" or not (self.watch and self.watch.stalled):
+            self.stop_watch()
         wall = time.perf_counter() - self.t_start if wall_time_s is None else wall_time_s
         rate = mx.steady_state(self.global_rates)
-        self.write(mx.end_record(status, steps, rate, wall, mx.utc_now()))
+        try:
+            self.write(mx.end_record(status, steps, rate, wall, mx.utc_now()))
+        except DiskFullError as e:
+            if status != "failed":
+                raise
+            warn(f"the failed end record was not written: {e.message}")  # the failure itself is what matters
         if self.writer is not None:
             self.writer.close()
         if status == "failed":
@@ -279,6 +372,7 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
     """
     t_start = time.perf_counter() if t_start is None else t_start
     stop_flag = stop_flag or catch_stop_signals(cc.signal)
+    pg_timeout_s = collective_timeout(pg_timeout_s, environ.get(END_TIME_VAR), time.time())
     threads = setup_threads(environ)
     device = probe_device(env, environ)
     if device.warning and env.local_rank == 0:
@@ -306,6 +400,56 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
                       hostnames=gather_hosts(host, env.is_distributed), t_start=t_start)
     session.agreement = StopAgreement(stop_flag, env.is_distributed, interval_s=cc.poll_s)
     return session
+
+
+def start_watch(session: Session) -> Any:
+    """This rank's progress watchdog, started (False when ``checkpoint.stall_floor_s`` is 0)."""
+    from cyclone_kit.rundir.failures import segment_id
+    from cyclone_kit.runtime.progress import ProgressWatch, RunDirRecords, StallPolicy
+
+    policy = StallPolicy(session.cc.stall_floor_s, session.cc.stall_factor)
+    if not policy.enabled:
+        return False
+    env = session.env
+    watch = ProgressWatch(RunDirRecords(session.run_dir), env.rank, env.world_size, session.host, policy,
+                          segment_id(session.environ), lambda stuck, records, own: on_stall(session, stuck, records))
+    return watch.start()
+
+
+def on_stall(session: Session, stuck: list[int], records: dict[int, Any]) -> None:
+    """A stalled rank's last acts (from the watchdog's thread): the records, the ``failed`` end
+    record (rank 0), and the requeue (the rank that wrote ``failure.json``, under Slurm, when
+    allowed and no step watcher does it)."""
+    from cyclone_kit.rundir.failures import record_stall, segment_id
+    from cyclone_kit.runtime.progress import stall_failure
+
+    env, environ = session.env, session.environ
+    job_id = environ.get("SLURM_JOB_ID")
+    doc, errors = stall_failure(stuck, records, env.world_size, job_id, segment_id(environ))
+    own = errors.get(env.rank)
+    on_behalf = [e for r, e in errors.items() if r != env.rank and (records.get(r) or {}).get("state") != "stalled"]
+    won = record_stall(session.run_dir, doc, own, on_behalf)
+    if won:
+        sys.stderr.write(f"cyclone_kit: stalled: {doc['root_cause']}\n")
+    step = session.watch.step if session.watch else None
+    session.end("failed", int(step or 0), release_signals=False)
+    if won and under_slurm(environ) and not environ.get(STEPWATCH_VAR):
+        yes, why = stall_requeue(session.cc, env.restart_count)
+        sys.stderr.write(f"cyclone_kit: {why}\n")
+        if yes:
+            try:
+                requeue(environ)
+            except (CommandError, ValidationError) as e:
+                warn(f"requeue failed: {e}")
+
+
+def stall_requeue(cc: CheckpointConfig, restart_count: int) -> tuple[bool, str]:
+    """Whether a stalled job is requeued (pure): ``checkpoint.requeue`` and requeues left."""
+    if not cc.requeue:
+        return False, "stalled; checkpoint.requeue is false: not requeued"
+    if restart_count >= cc.max_requeues:
+        return False, f"stalled; already requeued {restart_count} time(s) (checkpoint.max_requeues={cc.max_requeues})"
+    return True, f"stalled: requeue {restart_count + 1} of at most {cc.max_requeues}, from the last checkpoint"
 
 
 def _group_of_one(device: DeviceChoice, timeout_s: int) -> None:

@@ -280,6 +280,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     # Threads, device, process group (Horovod: a gloo one of the engine's own), hosts, stop agreement.
     session = open_session(env, environ, run_dir, cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
                            t_start=t_start, backend=strategy.pg_backend)
+    session.max_nonfinite_steps = tc.max_nonfinite_steps
     device, distributed = session.device, session.distributed
     dev = torch.device(device.torch_device)
     configure_backends(tc, device.kind)  # deterministic, or cudnn.benchmark on CUDA (shared with the pipeline)
@@ -408,6 +409,7 @@ class _Loop:
                 self._log(step, epoch, loss_sum, window)
                 loss_sum = torch.zeros((), device=self.dev)
                 window = self._open_window()
+            session.progress(step)  # the progress watchdog
             agreed = session.poll(step)
             if agreed != NONE:
                 break
@@ -467,7 +469,8 @@ class _Loop:
                       f"{global_rate:.1f} samples/s", flush=True)
 
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
-        accuracy = self._validate() if validate and self.data.val is not None else None
+        with self.session.not_a_step():
+            accuracy = self._validate() if validate and self.data.val is not None else None
         self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
         if self.env.is_main and accuracy is not None:
             print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
@@ -508,6 +511,10 @@ class _Loop:
         return torch.zeros(1, info.channels, info.image_size, info.image_size, device=self.dev)
 
     def _checkpoint(self, step: int, epoch: int) -> None:
+        with self.session.not_a_step():  # gathering, sharded writes and the file: no step for the watchdog
+            self._write_checkpoint(step, epoch)
+
+    def _write_checkpoint(self, step: int, epoch: int) -> None:
         rngs = self.session.gather_to_main(ckpt.capture_rng())
         model_state: Any = None
         optim_state: Any = None

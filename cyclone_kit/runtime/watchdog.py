@@ -116,6 +116,10 @@ def supervise(argv: Sequence[str], run_dir: Path | str | None, environ: Mapping[
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     when = utc_now()
+    if target:
+        from cyclone_kit.runtime.progress import mark_exited
+
+        mark_exited(Path(target), rank_guess(base), child.pid, code)
     if code < 0 and target and -code not in forwarded:
         record = death_record(rank_guess(base), host_guess(base), child.pid, code, when, base.get("SLURM_JOB_ID"))
         try:

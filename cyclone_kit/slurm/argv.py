@@ -62,22 +62,44 @@ def sbatch(script: str | os.PathLike[str], extra: Sequence[str] = ()) -> list[st
     return ["sbatch", "--parsable", *extra, os.fspath(script)]
 
 
-def squeue(job_id: str) -> list[str]:
-    """squeue for one job (or all tasks of an array job), every state still in the controller."""
+def _id_list(job_ids: Sequence[str]) -> str:
+    """``1,2,3_4``: checked, deduplicated job ids for ``--jobs`` (pure).
+
+    Raises:
+        ValidationError: the list is empty or an id is not a Slurm job id.
+    """
+    ids = list(dict.fromkeys(check_job_id(str(j)) for j in job_ids))
+    if not ids:
+        raise ValidationError("no job id to ask Slurm about", hint="give at least one job id")
+    return ",".join(ids)
+
+
+def squeue(job_id: str | Sequence[str]) -> list[str]:
+    """squeue for one job or several (and all tasks of an array job), every state still in the controller.
+
+    Several ids make one call: ``status`` of a whole runs directory asks once.
+    """
     fields = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
-    return ["squeue", "--noheader", "--states=all", f"--jobs={check_job_id(job_id)}", f"--Format={fields}"]
+    ids = _id_list([job_id] if isinstance(job_id, str) else job_id)
+    return ["squeue", "--noheader", "--states=all", f"--jobs={ids}", f"--Format={fields}"]
 
 
-def sacct(job_id: str) -> list[str]:
-    """sacct for one job's allocation record(s) (no steps), ``|``-separated, no header."""
+def sacct(job_id: str | Sequence[str]) -> list[str]:
+    """sacct for the allocation record(s) (no steps) of one job or several, ``|``-separated, no header."""
+    ids = _id_list([job_id] if isinstance(job_id, str) else job_id)
     return [
         "sacct",
         "--noheader",
         "--parsable2",
         "--allocations",
-        f"--jobs={check_job_id(job_id)}",
+        f"--jobs={ids}",
         f"--format={','.join(SACCT_FIELDS)}",
     ]
+
+
+def sacct_attempts(job_id: str) -> list[str]:
+    """sacct for every run of a requeued job (``--duplicates``), oldest first, same fields as :func:`sacct`."""
+    return [*sacct(job_id), "--duplicates"]
 
 
 def scontrol_show_job(job_id: str) -> list[str]:

@@ -8,6 +8,7 @@ captured from Slurm 22.05.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -303,10 +304,29 @@ _ARRAY_PRECEDENCE = (
 )
 
 
+def array_task_ids(text: str) -> frozenset[int]:
+    """The task ids of squeue's array-task field: ``[0-3,7%2]`` -> {0, 1, 2, 3, 7}; ``5`` -> {5} (pure).
+
+    Anything else (a parent id's empty field) gives the empty set.
+    """
+    body = text.strip()
+    if body.startswith("[") and body.endswith("]"):
+        body = body[1:-1]
+    body = body.split("%", 1)[0]
+    ids: set[int] = set()
+    for part in body.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            return frozenset()
+        ids.update(range(int(low), int(high or low) + 1))
+    return frozenset(ids)
+
+
 def select_job(job_id: str, records: Iterable[JobInfo]) -> JobInfo | None:
     """The record for ``job_id`` among a command's records, or ``None`` when there is none.
 
-    An exact id match wins. Asking for an array job's parent id (``"123"``) when only its tasks
+    An exact id match wins; a task id (``"123_7"``) also matches the one record squeue gives for
+    the tasks still pending together (``"123_[0-49]"``). Asking for an array job's parent id (``"123"``) when only its tasks
     (``"123_0"``, ``"123_[1-3]"``) are listed gives one summary record: the most active task
     state (running before pending before failed before completed), the sum of nodes, and the
     worst exit code.
@@ -315,6 +335,13 @@ def select_job(job_id: str, records: Iterable[JobInfo]) -> JobInfo | None:
     for record in records:
         if record.job_id == job_id:
             return record
+    parent, _, task = job_id.partition("_")
+    if task.isdigit():  # a task of an array still pending as one record: 123_[0-49%5]
+        for record in records:
+            head, _, tasks_text = record.job_id.partition("_")
+            if head == parent and int(task) in array_task_ids(tasks_text):
+                return dataclasses.replace(record, job_id=job_id)
+        return None
     tasks = [r for r in records if r.job_id.split("_", 1)[0] == job_id]
     if not tasks:
         return None

@@ -313,4 +313,4 @@ def test_checkpoints_rotate_as_the_spec_says_and_a_torn_one_is_skipped(tmp_path:
         ck.finish()
     """, run_dir=run_dir)
     assert result.returncode == 0, result.stderr
-    assert "loaded [3.0, 3.0] hi" in result.stdout and "skipping unreadable checkpoint" in result.stderr
+    assert "loaded [3.0, 3.0] hi" in result.stdout and "skipping damaged checkpoint" in result.stdout

@@ -38,6 +38,16 @@ STUB_SRUN = """#!/bin/bash
 printf '%s\\n' "$@" > "$STUB_OUT/srun.args"
 env > "$STUB_OUT/srun.env"
 """
+#: The job's interpreter at a hostile path: the batch script runs the step watcher with it
+#: (``PYTHON -m cyclone_kit.runtime.stepwatch --run-dir DIR -- srun ...``); the stub runs what follows ``--``
+#: and fails any other call (the port probe then falls back to its shell arithmetic, as without Python).
+STUB_PYTHON = """#!/bin/bash
+[ "$2" = cyclone_kit.runtime.stepwatch ] || exit 127
+printf '%s\\n' "$@" > "$STUB_OUT/python.args"
+while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do shift; done
+shift
+exec "$@"
+"""
 
 
 def hostile_profile(payload: str):
@@ -69,6 +79,7 @@ def execute(script: str, tmp_path: Path, bin_dir: Path, out: Path) -> subprocess
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_OUT": str(out), "SLURM_JOB_ID": "4242",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2]),  # this checkout's step watcher
            "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_CPUS_PER_TASK": "4", "HOME": str(tmp_path)}
     return subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
 
@@ -80,14 +91,20 @@ def test_payload_is_quoted_not_run(template, tmp_path, stubs):
     payload = template.format(canary=canary)
     run_dir = tmp_path / "runs" / payload / "job-1"
     spec = spec_from_dict({"name": "hostile", "resources": {"profile": "hostile"}})
-    script = render_script(resolve(spec, hostile_profile(payload)), run_dir, python=f"/opt/{payload}/python",
+    python = tmp_path / "opt" / payload / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(STUB_PYTHON)
+    python.chmod(0o755)
+    script = render_script(resolve(spec, hostile_profile(payload)), run_dir, python=str(python),
                            environ={"CYCLONE_KIT_TEMPLATES": "/nonexistent"})
     result = execute(script, tmp_path, bin_dir, out)
     assert result.returncode == 0, result.stderr
     assert not canary.exists(), f"payload {payload!r} was executed"
     args = (out / "srun.args").read_text().splitlines()
     assert args[-1] == str(run_dir) and args[-2] == "--run-dir"
-    assert f"/opt/{payload}/python" in args
+    assert str(python) in args
+    watcher = (out / "python.args").read_text().splitlines()
+    assert watcher[:4] == ["-m", "cyclone_kit.runtime.stepwatch", "--run-dir", str(run_dir)], watcher
     env_lines = (out / "srun.env").read_text()
     assert f"HOSTILE={payload}" in env_lines and f"CYCLONE_RUN_DIR={run_dir}" in env_lines
     assert "MASTER_ADDR=node01" in env_lines and "MASTER_PORT=19242" in env_lines

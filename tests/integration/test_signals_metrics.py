@@ -68,17 +68,18 @@ def test_steady_state_skips_warmup_and_takes_the_median() -> None:
     assert mx.steady_state([]) is None
 
 
-def test_writer_one_line_per_record_nan_as_null_and_repairs_a_cut_line(tmp_path: Path) -> None:
+def test_writer_one_line_per_record_nan_loss_as_its_name_and_repairs_a_cut_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind":"step","schema":1,"ste')  # a crash cut the last line
     w = mx.MetricsWriter(path)
-    w.write(mx.step_record(1, 0, float("nan"), 0.1, 0.01, 320.0, mx.utc_now()))
+    w.write(mx.step_record(1, 0, float("nan"), 0.1, 0.01, float("inf"), mx.utc_now()))
     w.write(mx.end_record("completed", 1, 320.0, 1.5, mx.utc_now()))
     w.close()
     lines = path.read_text().splitlines()
     assert len(lines) == 3
     step, end = json.loads(lines[1]), json.loads(lines[2])
-    assert step["kind"] == "step" and step["schema"] == mx.SCHEMA and step["loss"] is None
+    # The loss is recorded as what it was (JSON has no NaN); another non-finite number becomes null.
+    assert step["kind"] == "step" and step["schema"] == mx.SCHEMA and step["loss"] == "NaN" and step["samples_per_s"] is None
     assert end == {**end, "kind": "end", "status": "completed", "steps": 1}
 
 

@@ -111,8 +111,9 @@ def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[st
     losses = [r["loss"] for r in records(run, "step")]
     assert losses == [r["loss"] for r in records(runs["fsdp"], "step")]
     folder = run / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "ckpt-000000010.dcp", "ckpt-000000010.pt", "ckpt-000000012.dcp", "ckpt-000000012.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == [  # each .pt with its checksum file (.sha256)
+        "ckpt-000000010.dcp", "ckpt-000000010.pt", "ckpt-000000010.pt.sha256", "ckpt-000000012.dcp",
+        "ckpt-000000012.pt", "ckpt-000000012.pt.sha256"]
     assert len(list((folder / "ckpt-000000012.dcp").glob("*.distcp"))) == 2  # one shard file per rank
     state = ck.load_checkpoint(folder / "ckpt-000000012.pt")
     assert state["optimizer_format"] == "dcp" and state["model"] == {"dcp": "ckpt-000000012.dcp"}

@@ -47,12 +47,12 @@ def test_init_refuses_a_bad_log_every_before_touching_anything(bad: object) -> N
 
 
 def test_spec_settings_come_from_the_run_dirs_spec(tmp_path: Path) -> None:
-    cc, every = api._spec_settings(tmp_path)
-    assert (cc.keep, cc.signal, cc.poll_s, every) == (2, "USR2", 0.5, None)  # no spec.json: the defaults
-    (tmp_path / "spec.json").write_text(json.dumps({"name": "x", "train": {"log_every": 3},
+    cc, every, nonfinite = api._spec_settings(tmp_path)
+    assert (cc.keep, cc.signal, cc.poll_s, every, nonfinite) == (2, "USR2", 0.5, None, 0)  # no spec.json: defaults
+    (tmp_path / "spec.json").write_text(json.dumps({"name": "x", "train": {"log_every": 3, "max_nonfinite_steps": 4},
                                                     "checkpoint": {"keep": 5, "signal": "USR1", "poll_s": 0}}))
-    cc, every = api._spec_settings(tmp_path)
-    assert (cc.keep, cc.signal, cc.poll_s, every) == (5, "USR1", 0, 3)
+    cc, every, nonfinite = api._spec_settings(tmp_path)
+    assert (cc.keep, cc.signal, cc.poll_s, every, nonfinite) == (5, "USR1", 0, 3, 4)
     (tmp_path / "spec.json").write_text(json.dumps({"script": {"log_every": 7}}))
     assert api._spec_settings(tmp_path)[1] == 7
 
@@ -72,9 +72,12 @@ def test_a_bad_spec_is_a_validation_error(tmp_path: Path, content: str, message:
 def test_mean_loss_of_floats_and_tensors() -> None:
     import torch
 
-    assert api._mean_loss([]) is None
-    assert api._mean_loss([1.0, 3.0]) == 2.0
-    assert api._mean_loss([torch.tensor(1.0), torch.tensor([3.0]), 2]) == pytest.approx(2.0)
+    assert api._mean_loss([]) == (None, 0)
+    assert api._mean_loss([1.0, 3.0]) == (2.0, 0)
+    mean, bad = api._mean_loss([torch.tensor(1.0), torch.tensor([3.0]), 2])
+    assert mean == pytest.approx(2.0) and bad == 0
+    mean, bad = api._mean_loss([torch.tensor(float("nan")), 1.0, float("inf"), torch.tensor(2.0)])
+    assert mean != mean and bad == 2  # the window's loss is NaN and 2 of its 4 steps were not finite
 
 
 def test_log_every_from_the_environment() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 from pathlib import Path
@@ -36,7 +37,65 @@ def test_corrupt_newest_is_skipped(tmp_path: Path, capfd: pytest.CaptureFixture[
     (tmp_path / "ckpt-000000030.pt").write_bytes(b"not a checkpoint")
     state, _path = ck.load_latest(tmp_path)
     assert state["step"] == 10
-    assert capfd.readouterr().err.count("skipping unreadable checkpoint") == 2
+    assert capfd.readouterr().err.count("skipping damaged checkpoint") == 2
+
+
+def test_a_checksum_file_is_written_beside_each_checkpoint_and_rotated_with_it(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        ck.save_checkpoint(tmp_path, _state(step), step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000002.pt", "ckpt-000000002.pt.sha256", "ckpt-000000003.pt", "ckpt-000000003.pt.sha256"]
+    newest = ck.checkpoint_path(tmp_path, 3)
+    digest, name = ck.digest_path(newest).read_text().split()
+    assert name == newest.name and digest == hashlib.sha256(newest.read_bytes()).hexdigest()  # sha256sum -c format
+    assert ck.verify_checkpoint(newest) is True
+
+
+def test_a_flipped_byte_in_the_newest_is_caught_by_the_checksum_and_the_previous_one_loads(tmp_path: Path) -> None:
+    ck.save_checkpoint(tmp_path, _state(10), 10, keep=3)
+    newest = ck.save_checkpoint(tmp_path, _state(20), 20, keep=3)
+    data = bytearray(newest.read_bytes())
+    # Flip one bit inside the tensor data: torch.load alone would load it (1000.0156 for 1000.0, as in the issue).
+    offset = data.rfind(torch.full((4,), 20.0).numpy().tobytes())
+    assert offset > 0
+    data[offset + 1] ^= 0x01
+    newest.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(newest, weights_only=True)["model"]["w"], torch.full((4,), 20.0))
+    scan = ck.scan_latest(tmp_path)
+    assert scan.found is not None and scan.found[0]["step"] == 10
+    assert [s.path for s in scan.skipped] == [newest] and "checksum mismatch" in scan.skipped[0].reason
+
+
+def test_a_checkpoint_without_a_checksum_file_still_loads(tmp_path: Path) -> None:
+    """Written before checksums existed, or copied without its .sha256: nothing to verify against."""
+    path = ck.save_checkpoint(tmp_path, _state(5), 5, keep=1)
+    ck.digest_path(path).unlink()
+    assert ck.verify_checkpoint(path) is False
+    assert ck.load_latest(tmp_path)[0]["step"] == 5
+    ck.digest_path(path).write_text("garbage\n")
+    assert "checksum file" in ck.scan_latest(tmp_path).skipped[0].reason
+
+
+def test_a_fresh_start_is_refused_when_checkpoints_exist_but_none_loads(tmp_path: Path) -> None:
+    path = ck.save_checkpoint(tmp_path, _state(5), 5, keep=1)
+    path.write_bytes(path.read_bytes()[:-10])
+    scan = ck.scan_latest(tmp_path)
+    why = ck.fresh_start_refusal(scan, tmp_path, resuming=False, from_scratch=False)
+    assert scan.found is None and why is not None and "ckpt-000000005.pt" in why and "step 0" in why
+    assert ck.fresh_start_refusal(scan, tmp_path, resuming=True, from_scratch=True) is None
+
+
+def test_a_resume_without_any_checkpoint_is_refused_and_a_new_run_is_not(tmp_path: Path) -> None:
+    empty = ck.scan_latest(tmp_path / "none")
+    assert ck.fresh_start_refusal(empty, tmp_path, resuming=False, from_scratch=False) is None
+    assert "no checkpoint to resume from" in ck.fresh_start_refusal(empty, tmp_path, resuming=True, from_scratch=False)
+    ck.save_checkpoint(tmp_path, _state(5), 5, keep=1)
+    assert ck.fresh_start_refusal(ck.scan_latest(tmp_path), tmp_path, resuming=True, from_scratch=False) is None
+
+
+def test_serialized_size_is_the_size_written(tmp_path: Path) -> None:
+    path = ck.save_checkpoint(tmp_path, _state(7), 7, keep=1)
+    assert ck.serialized_size(_state(7)) == path.stat().st_size
 
 
 def test_foreign_pickle_is_refused(tmp_path: Path) -> None:

@@ -171,17 +171,26 @@ def test_find_metrics_files_dedups_and_rejects_empty_or_missing_paths(tmp_path: 
         load_runs(tmp_path / "missing")
 
 
-def test_non_numeric_fields_become_missing_values_not_errors(tmp_path: Path) -> None:
+def test_records_with_fields_of_the_wrong_type_are_refused_with_their_line_and_the_rest_kept(tmp_path: Path) -> None:
+    good_step = {"kind": "step", "step": 1, "epoch": 0, "loss": 0.5, "step_time_s": 0.1, "samples_per_s": 10.0}
     text = lines(
-        {**START, "world_size": "two"}, {"kind": "step", "step": "x", "loss": None},
+        START, good_step, {"kind": "step", "step": "abc", "loss": None}, {**good_step, "step": 2, "loss": "NaN"},
         {"kind": "end", "status": "completed", "samples_per_s": "fast"},
+        {"kind": "end", "status": "completed", "steps": 2, "samples_per_s": 10.0, "wall_time_s": 1.0},
     )
+    parsed = parse_metrics_text(text)
+    assert [line for line, _ in parsed.refused] == [3, 5]
+    assert parsed.refused[0][1] == "step field 'step' is 'abc', not an integer"
+    assert [r["step"] for r in parsed.steps] == [1, 2] and summarize_run(parsed)["complete"]
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "metrics.jsonl").write_text(text)
-    data = load_runs(tmp_path / "r")
-    assert not data.runs["complete"].iloc[0]
-    assert data.runs["incomplete_reason"].iloc[0] == "start record has no world_size"
-    assert data.steps["step"].isna().all()
+    (tmp_path / "r" / "metrics.jsonl").write_text(text + "garbage\n")
+    data = load_runs(tmp_path / "r", warn=False)
+    assert bool(data.runs["complete"].iloc[0]) and data.runs["samples_per_s"].iloc[0] == 10.0
+    skipped = next(w for w in data.warnings if "skipped" in w)
+    assert "1 corrupt line(s) (line 7)" in skipped and "2 record(s) with a field of the wrong type" in skipped
+    assert "line 3: step field 'step' is 'abc'" in skipped and "kept the 4 good record(s)" in skipped
+    assert any("the loss was not finite (NaN or infinite) in 1 step record(s): step(s) 2" in w for w in data.warnings)
+    assert data.steps["loss"].isna().tolist() == [False, True]  # "NaN" read as the value it names
 
 
 def test_fast_and_exact_paths_agree() -> None:

@@ -415,3 +415,14 @@ def test_argv_rejects_bad_job_ids(bad: str) -> None:
 def test_argv_rejects_bad_signal() -> None:
     with pytest.raises(ValidationError):
         argv.scancel("12", signal="USR1; rm")
+
+
+def test_a_task_of_a_pending_array_matches_its_range_record() -> None:
+    from cyclone_kit.slurm.parse import array_task_ids, parse_squeue, select_job
+
+    assert array_task_ids("[0-3,7%2]") == {0, 1, 2, 3, 7} and array_task_ids("5") == {5}
+    assert array_task_ids("") == frozenset() and array_task_ids("[x]") == frozenset()
+    records = parse_squeue("50_[0-49]|PENDING|1|(null)|0:00|JobHeldUser|0|0|ck-many|\n")
+    info = select_job("50_7", records)
+    assert info is not None and info.job_id == "50_7" and info.state.value == "PENDING"
+    assert select_job("50_50", records) is None and select_job("51_7", records) is None

@@ -1,0 +1,399 @@
+"""The progress watchdog of a rank: a stalled step ends the job within a bound, naming the rank that stopped.
+
+A rank that hangs (a deadlock, a read from a dead file system, a process stopped with SIGSTOP,
+an infinite loop) leaves every other rank waiting inside a collective: nothing fails, nothing
+is written, and the job burns its whole wall time. Every rank therefore runs a
+:class:`ProgressWatch`, a daemon thread fed by the training loop (:meth:`ProgressWatch.beat`
+after every optimizer step: the built-in engines and ``ck.log_step`` call it through the
+:class:`~cyclone_kit.runtime.session.Session`):
+
+* it measures the step time and derives the **bound** (:func:`stall_bound`): ``max(floor,
+  factor x median step)`` (``checkpoint.stall_floor_s``, default 60 s, and
+  ``checkpoint.stall_factor``, default 20), armed once :data:`MIN_STEPS` steps were timed (the
+  start-up is covered by the process-group timeout); checkpoints and validation are not steps
+  and are excluded (:meth:`ProgressWatch.paused`);
+* every few seconds it writes this rank's **progress record** (``progress/rank-N.json``:
+  step, time of the last step, bound, state), read by its peers and by the batch host's step
+  watcher (:mod:`cyclone_kit.runtime.stepwatch`);
+* when this rank made no step for longer than the bound, it dumps every thread's Python stack
+  (:mod:`faulthandler`), notes whether the main thread waits inside a collective, marks its
+  record ``stalled``, waits a few seconds for its peers' records, and picks the rank(s) that
+  stopped making progress with :func:`choose_stuck` (the fewest steps; among those, the ones
+  *not* waiting for a peer; a rank that did not answer counts as stuck). The stuck rank's error
+  record carries its stack; ``failure.json`` (cause ``stalled``, first writer wins) names it.
+  The rank that wrote ``failure.json`` requeues the job under Slurm when ``checkpoint.requeue``
+  allows it, then every stalled rank leaves with :data:`STALL_EXIT_CODE`, so the launcher (the
+  local one, or ``srun --kill-on-bad-exit``) stops the rest.
+
+Stdlib only, no torch: the decision rules are pure functions tested on records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Unix time of the job's end, exported by the step watcher (:mod:`cyclone_kit.runtime.stepwatch`).
+END_TIME_VAR = "CYCLONE_JOB_END_TIME"
+#: Set by the step watcher for the ranks: it, not a stalled rank, requeues the job.
+STEPWATCH_VAR = "CYCLONE_STEPWATCH"
+#: Exit status of a rank ended by its progress watchdog (as ``timeout(1)``'s).
+STALL_EXIT_CODE = 124
+#: Steps timed before the bound is armed.
+MIN_STEPS = 3
+#: Step intervals kept for the median.
+WINDOW = 101
+#: Innermost frames (path fragments) of a main thread that is waiting for its peers: a collective,
+#: DDP's gradient reduction inside backward, Horovod, cyclone_kit's own stop agreement and barriers.
+WAIT_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/torch/_tensor.py",
+              "/horovod/", "/cyclone_kit/runtime/signals.py", "/cyclone_kit/runtime/session.py")
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """When a rank counts as stalled: no step for ``max(floor_s, factor x median step)``.
+
+    Attributes:
+        floor_s: the least bound in seconds (``checkpoint.stall_floor_s``; 0 turns the watchdog off).
+        factor: the bound in median step times (``checkpoint.stall_factor``).
+    """
+
+    floor_s: float = 60.0
+    factor: float = 20.0
+
+    @property
+    def enabled(self) -> bool:
+        """False when ``floor_s`` is 0."""
+        return self.floor_s > 0
+
+
+# --------------------------------------------------------------------------- pure rules
+def stall_bound(policy: StallPolicy, intervals: Sequence[float]) -> float | None:
+    """Seconds without a step after which a rank is stalled; None while unarmed (pure)."""
+    if not policy.enabled or len(intervals) < MIN_STEPS:
+        return None
+    return max(policy.floor_s, policy.factor * statistics.median(intervals))
+
+
+def check_interval(bound: float | None) -> float:
+    """Seconds between the watchdog's looks: a tenth of the bound, within 0.2-5 s (pure)."""
+    return 5.0 if bound is None else min(5.0, max(0.2, bound / 10))
+
+
+def beat_interval(bound: float | None) -> float:
+    """Seconds between progress-record writes: a tenth of the bound, within 1-5 s (pure)."""
+    return 2.0 if bound is None else min(5.0, max(1.0, bound / 10))
+
+
+def settle_time(bound: float | None) -> float:
+    """Seconds a stalled rank waits for its peers' records before it decides (pure)."""
+    return min(15.0, max(3.0, 3 * check_interval(bound)))
+
+
+def waiting_for_peers(frames: Sequence[str]) -> bool:
+    """True when the innermost of ``frames`` (file names, outermost first) is inside a collective (pure)."""
+    return bool(frames) and any(part in frames[-1].replace("\\", "/") for part in WAIT_PATHS)
+
+
+def choose_stuck(records: Mapping[int, Mapping[str, Any] | None], world_size: int) -> list[int]:
+    """The ranks that stopped making progress, from every rank's progress record (pure).
+
+    ``records`` maps a rank to its record of this segment (None: it wrote none, or none this
+    segment). A rank that did not answer (no record, or not marked ``stalled``) is a suspect
+    like one that is not waiting for a peer. The stuck ranks are the suspects with the fewest
+    steps; when every rank with the fewest steps waits inside a collective, all of those.
+    """
+    keys: dict[int, tuple[int, int]] = {}
+    for rank in range(world_size):
+        rec = records.get(rank)
+        if rec is None:
+            keys[rank] = (-1, 0)
+            continue
+        step = rec.get("step")
+        waiting = rec.get("state") == "stalled" and rec.get("waiting") is True
+        keys[rank] = (int(step) if isinstance(step, int) else -1, 1 if waiting else 0)
+    if not keys:
+        return []
+    least = min(keys.values())
+    return [rank for rank, key in keys.items() if key == least]
+
+
+#: Seconds kept between a collective's timeout and the job's end.
+END_MARGIN_S = 60
+
+
+def collective_timeout(pg_timeout_s: int, end_time: str | None, now: float) -> int:
+    """The process group's timeout: ``pg_timeout_s``, but below the job's remaining wall time (pure).
+
+    ``end_time`` is ``$CYCLONE_JOB_END_TIME`` (Unix seconds; None or unparsable: unknown). A
+    collective that waits for a dead or hung peer then fails while there is time to requeue.
+    """
+    try:
+        remaining = float(end_time) - now if end_time else None
+    except ValueError:
+        remaining = None
+    if remaining is None:
+        return pg_timeout_s
+    return int(max(30, min(pg_timeout_s, remaining - END_MARGIN_S)))
+
+
+def describe_bound(rec: Mapping[str, Any]) -> str:
+    """``bound 60 s = max(floor 60 s, 20 x median step 0.120 s)`` for a progress record (pure)."""
+    return (f"bound {rec.get('bound_s', 0):.1f} s = max(checkpoint.stall_floor_s {rec.get('floor_s', 0):g} s, "
+            f"{rec.get('factor', 0):g} x median step {rec.get('median_step_s') or 0:.3f} s)")
+
+
+def stall_line(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] | None], world_size: int) -> str:
+    """The root cause of a stall, in one line (pure)."""
+    parts = []
+    for rank in stuck:
+        rec = records.get(rank) or {}
+        where = f"rank {rank} on host {rec.get('host', '?')}" + (f" (pid {rec['pid']})" if rec.get("pid") else "")
+        if rec.get("state") != "stalled":
+            parts.append(f"{where} stopped making progress after step {rec.get('step', '?')} and did not answer "
+                         "(stopped, frozen, or its node is gone): no stack")
+        else:
+            parts.append(f"{where} stopped making progress after step {rec.get('step')}: no step for "
+                         f"{rec.get('idle_s', 0):.1f} s ({describe_bound(rec)}), in {rec.get('where') or '?'}")
+    waiters = [r for r in range(world_size) if r not in stuck and (records.get(r) or {}).get("waiting")]
+    line = "; ".join(parts)
+    if waiters:
+        line += f"; rank(s) {', '.join(map(str, waiters))} waited for it in a collective"
+    return line
+
+
+def stall_error_record(rec: Mapping[str, Any], when: str) -> dict[str, Any]:
+    """The error record of a stuck rank, from its progress record (pure): its stack when it answered."""
+    rank = int(rec.get("rank", -1))
+    if rec.get("state") == "stalled":
+        message = (f"no optimizer step for {rec.get('idle_s', 0):.1f} s after step {rec.get('step')} "
+                   f"({describe_bound(rec)}); the main thread is in {rec.get('where') or '?'}")
+        source = "progress-watchdog"
+    else:
+        message = (f"stopped making progress after step {rec.get('step', '?')} and did not answer its peers' "
+                   "watchdogs: no stack (stopped, frozen, or its node is gone)")
+        source = "peer-watchdog"
+    return {"rank": rank, "host": rec.get("host", "?"), "pid": rec.get("pid"), "time": when, "type": "Stalled",
+            "message": message, "traceback": rec.get("stack") or "", "step": rec.get("step"),
+            "bound_s": rec.get("bound_s"), "segment": rec.get("segment"), "source": source}
+
+
+def stall_failure(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] | None], world_size: int,
+                  job_id: str | None, segment: str) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """The ``failure.json`` of a stall and the stuck ranks' error records (pure but for the time)."""
+    from cyclone_kit.rundir.failures import failure_doc, utc_now
+
+    when = utc_now()
+    errors = {r: stall_error_record(records.get(r) or {"rank": r}, when) for r in stuck}
+    first = errors[stuck[0]] if stuck else None
+    ranks = [{k: (records.get(r) or {}).get(k) for k in ("rank", "host", "pid", "step", "state", "waiting", "where")}
+             | {"rank": r} for r in range(world_size)]
+    doc = failure_doc(written_by="progress-watchdog", cause="stalled", root_cause=stall_line(stuck, records, world_size),
+                      first=first, job_id=job_id, ranks=ranks, time=when, segment=segment, stuck=list(stuck))
+    return doc, errors
+
+
+# --------------------------------------------------------------------------- the stack
+def main_thread_frames() -> tuple[list[str], str]:
+    """The main thread's frame file names (outermost first) and its innermost frame as ``file:line in func``."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return [], "?"
+    summary = traceback.extract_stack(frame)
+    if not summary:
+        return [], "?"
+    last = summary[-1]
+    return [f.filename for f in summary], f"{last.filename}:{last.lineno} in {last.name}"
+
+
+def dump_stacks() -> str:
+    """Every thread's Python stack, as :func:`faulthandler.dump_traceback` writes it."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.flush()
+        f.seek(0)
+        return f.read()
+
+
+# --------------------------------------------------------------------------- the watchdog
+class ProgressWatch:
+    """This rank's progress watchdog (a daemon thread); see the module doc.
+
+    Args:
+        records: reads and writes progress records: ``write(rank, rec)``, ``read_all() -> {rank: rec}``.
+        rank, world_size, host: where this rank sits.
+        policy: the :class:`StallPolicy`.
+        segment: identifies this run segment (job id and restart count); records of others are ignored.
+        on_stall: called once on a stall with ``(stuck ranks, records, own record)`` before this
+            rank leaves; it writes the error record and ``failure.json`` and may requeue.
+        exit: how a stalled rank leaves (default ``os._exit``; tests pass their own).
+        settle_s: seconds to wait for the peers' records (default :func:`settle_time`).
+    """
+
+    def __init__(self, records: Any, rank: int, world_size: int, host: str, policy: StallPolicy, segment: str,
+                 on_stall: Callable[[list[int], dict[int, Any], dict[str, Any]], None],
+                 exit: Callable[[int], None] = os._exit, settle_s: float | None = None) -> None:
+        self.records, self.rank, self.world_size, self.host = records, rank, world_size, host
+        self.policy, self.segment, self.on_stall, self._exit = policy, segment, on_stall, exit
+        self.settle_s = settle_s
+        self.step: int | None = None
+        self._t_last = time.monotonic()
+        self._intervals: deque[float] = deque(maxlen=WINDOW)
+        self._paused = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_write = 0.0
+        self.stalled = False
+
+    # -- fed by the training loop (main thread): cheap
+    def beat(self, step: int) -> None:
+        """Optimizer step ``step`` is done."""
+        now = time.monotonic()
+        if self.step is not None and step > self.step and not self._paused:
+            self._intervals.append((now - self._t_last) / (step - self.step))
+        self.step, self._t_last = step, now
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not steps: a checkpoint, a validation pass (the time inside counts neither way)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._t_last = time.monotonic()
+
+    # -- the thread
+    def start(self) -> ProgressWatch:
+        """Start the thread (returns self); a no-op when the policy is off."""
+        if self.policy.enabled and self._thread is None:
+            self._write(self.record("running"))
+            self._thread = threading.Thread(target=self._loop, name="cyclone_kit-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (the segment ended) and mark this rank's record ``ended``."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+            self._write(self.record("ended"))
+
+    def bound(self) -> float | None:
+        """The bound now (None while unarmed)."""
+        return stall_bound(self.policy, list(self._intervals))
+
+    def record(self, state: str, **extra: Any) -> dict[str, Any]:
+        """This rank's progress record now."""
+        bound, intervals = self.bound(), list(self._intervals)
+        idle = time.monotonic() - self._t_last
+        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "segment": self.segment, "state": state,
+                "step": self.step, "progress_time": time.time() - idle, "beat_time": time.time(),
+                "idle_s": round(idle, 3), "bound_s": bound,
+                "median_step_s": statistics.median(intervals) if intervals else None,
+                "floor_s": self.policy.floor_s, "factor": self.policy.factor, **extra}
+
+    def _write(self, rec: Mapping[str, Any]) -> None:
+        self._last_write = time.monotonic()
+        try:
+            self.records.write(self.rank, rec)
+        except OSError as e:  # a full or gone file system must not kill the rank from here
+            sys.stderr.write(f"cyclone_kit: could not write the progress record: {e}\n")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(check_interval(self.bound())):
+            bound = self.bound()
+            now = time.monotonic()
+            if bound is not None and not self._paused and now - self._t_last > bound:
+                self._stall()
+                return
+            if now - self._last_write >= beat_interval(bound):
+                self._write(self.record("running"))
+
+    def _stall(self) -> None:
+        """No step for longer than the bound: record, agree on the stuck rank(s), hand over, leave."""
+        self.stalled = True
+        frames, where = main_thread_frames()
+        own = self.record("stalled", waiting=waiting_for_peers(frames), where=where, stack=dump_stacks())
+        self._write(own)
+        deadline = time.monotonic() + (settle_time(self.bound()) if self.settle_s is None else self.settle_s)
+        records: dict[int, Any] = {}
+        while time.monotonic() < deadline:
+            records = self.current_records()
+            if all((records.get(r) or {}).get("state") == "stalled" for r in range(self.world_size)):
+                break
+            time.sleep(0.2)
+        records = self.current_records()
+        records[self.rank] = own
+        stuck = choose_stuck(records, self.world_size)
+        try:
+            self.on_stall(stuck, records, own)
+        except Exception as e:  # leave anyway: the launcher stops the rest
+            sys.stderr.write(f"cyclone_kit: progress watchdog: {type(e).__name__}: {e}\n")
+        sys.stderr.write(f"cyclone_kit: rank {self.rank}: no step for {own['idle_s']:.1f} s "
+                         f"({describe_bound(own)}); stuck: rank(s) {', '.join(map(str, stuck))}; leaving\n")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        self._exit(STALL_EXIT_CODE)
+
+    def current_records(self) -> dict[int, Any]:
+        """Every rank's progress record of this segment (others' segments dropped)."""
+        return {r: rec for r, rec in self.records.read_all().items()
+                if isinstance(rec, dict) and rec.get("segment") == self.segment}
+
+
+class RunDirRecords:
+    """Progress records as files of a run directory (``progress/rank-N.json``)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from cyclone_kit.rundir.layout import RunDir
+
+        self.rd = RunDir(run_dir)
+
+    def write(self, rank: int, rec: Mapping[str, Any]) -> None:
+        """Write one rank's record atomically."""
+        from cyclone_kit.rundir.fileio import write_atomic
+
+        path = self.rd.progress_record(rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(dict(rec), default=str) + "\n")
+
+    def read_all(self) -> dict[int, Any]:
+        """rank -> record, for every record file there is."""
+        from cyclone_kit.rundir.fileio import read_json
+
+        out = {}
+        for path in self.rd.progress_records():
+            rec = read_json(path)
+            if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+                out[rec["rank"]] = rec
+        return out
+
+
+def mark_exited(run_dir: Path, rank: int, pid: int, returncode: int) -> None:
+    """The rank's parent saw it exit: its progress record (if it is that process's) says so.
+
+    A rank whose record still says ``running`` after its step ended vanished together with its
+    parent (see :func:`cyclone_kit.runtime.stepwatch.vanished`).
+    """
+    records = RunDirRecords(run_dir)
+    rec = records.read_all().get(rank)
+    if isinstance(rec, dict) and rec.get("pid") == pid and rec.get("state") == "running":
+        with contextlib.suppress(OSError):
+            records.write(rank, {**rec, "state": "exited", "exit_code": returncode, "beat_time": time.time()})

@@ -1,0 +1,131 @@
+"""Issue 22: a stalled rank ends the run within the watchdog's bound, and the root cause names it.
+
+Real ranks under the local launcher (``cyclone-kit run``), gloo process groups:
+
+* an API script (tests/helpers/hang_script.py) whose rank 1 sleeps forever at step 15 while
+  rank 0 waits for it inside DDP's all-reduce: the run ends, ``failure.json`` (cause
+  ``stalled``) names rank 1, and its error record holds its Python stack (``hang_forever``);
+* the built-in engine with rank 1 SIGSTOPped mid-run by the test: it cannot answer, so its peer's
+  watchdog names it ("did not answer", no stack).
+
+Every time bound is taken from the records the run wrote (the bound the watchdog measured), never
+a guessed duration.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.cli import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+HANG_SCRIPT = REPO / "tests" / "helpers" / "hang_script.py"
+SMOKE = REPO / "jobs" / "smoke.toml"
+#: The watchdog's floor in these tests: far above a tiny step, even on a machine 5x slower.
+FLOOR_S = 6
+#: Hang guard of the CLI call (not a performance bound).
+HANG_S = 600
+#: What the watchdog may add to its bound: its look interval, the wait for its peers' records,
+#: the launcher's stop (its grace period), and scheduling on a loaded 2-core machine.
+SLACK_S = 5.0 + 15.0 + 5.0 + 20.0
+
+
+def _when(text: str) -> float:
+    return datetime.datetime.fromisoformat(text).timestamp()
+
+
+def _run_dir(stdout: str) -> Path:
+    match = re.search(r"^run dir: (.+)$", stdout, re.M)
+    assert match, stdout
+    return Path(match.group(1))
+
+
+def _failure(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "failure.json").read_text())
+
+
+def _ended_in_time(run_dir: Path, stuck: int) -> float:
+    """Seconds from the stuck rank's last step to failure.json; asserted within its bound + slack."""
+    progress = json.loads((run_dir / "progress" / f"rank-{stuck:05d}.json").read_text())
+    waiter = json.loads((run_dir / "progress" / f"rank-{1 - stuck:05d}.json").read_text())
+    bound = waiter["bound_s"]
+    assert bound is not None and bound >= FLOOR_S, waiter
+    took = _when(_failure(run_dir)["time"]) - progress["progress_time"]
+    print(f"{run_dir.name}: last step of rank {stuck} -> failure.json {took:.1f} s (bound {bound:.1f} s)")
+    assert bound <= took <= bound + SLACK_S, (took, bound)
+    return took
+
+
+def test_a_rank_hung_at_a_step_is_named_with_its_stack(tmp_path: Path) -> None:
+    proc = run_cli("run", str(HANG_SCRIPT), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path),
+                   "--set", f"checkpoint.stall_floor_s={FLOOR_S}", "--",
+                   "--steps", "1000000", "--hang-rank", "1", "--hang-step", "15", timeout=HANG_S)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    failure = _failure(run_dir)
+    assert (failure["cause"], failure["rank"], failure["stuck"]) == ("stalled", 1, [1]), failure
+    assert failure["root_cause"].startswith("rank 1 on host localhost"), failure["root_cause"]
+    assert "stopped making progress after step 14" in failure["root_cause"]
+    assert "hang_script.py" in failure["root_cause"] and "rank(s) 0 waited for it" in failure["root_cause"]
+    record = json.loads((run_dir / "ranks" / "error-rank-00001.json").read_text())
+    assert record["type"] == "Stalled" and record["step"] == 14, record
+    assert "in hang_forever" in record["traceback"] and "Thread 0x" in record["traceback"], record["traceback"]
+    assert not (run_dir / "ranks" / "error-rank-00000.json").exists(), "the waiting rank is not blamed"
+    assert proc.stderr.splitlines()[0].startswith("error: rank 1 on host localhost"), proc.stderr[:2000]
+    ends = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"end"' in line]
+    assert [(e["status"], e["steps"]) for e in ends] == [("failed", 14)]
+    _ended_in_time(run_dir, 1)
+    status = run_cli("status", str(run_dir), timeout=HANG_S)
+    assert status.returncode == 1 and "root cause" in status.stdout and "rank 1" in status.stdout, status.stdout
+
+
+def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path) -> None:
+    """SIGSTOP rank 1 of the built-in engine: it cannot say anything; rank 0's watchdog names it."""
+    stopped: list[int] = []
+
+    argv = ["run", str(SMOKE), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path),
+            "--set", "train.steps=1000000", "--set", "train.log_every=5", "--set", f"checkpoint.stall_floor_s={FLOOR_S}"]
+    child = subprocess.Popen([sys.executable, "-m", "cyclone_kit", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + HANG_S
+        run_dir = None
+        while time.monotonic() < deadline and not stopped:
+            dirs = [p for p in tmp_path.iterdir() if (p / "launch.json").is_file()]
+            if dirs:
+                run_dir = dirs[0]
+                progress = run_dir / "progress" / "rank-00001.json"
+                rec = json.loads(progress.read_text()) if progress.is_file() else {}
+                if rec.get("bound_s"):  # armed: rank 1 has timed its steps
+                    pid = json.loads((run_dir / "launch.json").read_text())["ranks"][1]["pid"]
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                    break
+            time.sleep(0.2)
+        assert stopped, "rank 1 never armed its watchdog"
+        out, err = child.communicate(timeout=HANG_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 1, out + err
+    assert run_dir is not None
+    failure = _failure(run_dir)
+    assert (failure["cause"], failure["stuck"]) == ("stalled", [1]), failure
+    assert "rank 1 on host localhost" in failure["root_cause"] and "did not answer" in failure["root_cause"]
+    assert "rank(s) 0 waited for it" in failure["root_cause"], failure["root_cause"]
+    record = json.loads((run_dir / "ranks" / "error-rank-00001.json").read_text())
+    assert record["source"] == "peer-watchdog" and record["type"] == "Stalled", record
+    _ended_in_time(run_dir, 1)

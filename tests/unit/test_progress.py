@@ -1,0 +1,215 @@
+"""Issue 22 (stalls and status), the pure parts: the progress watchdog's bound and its choice of the
+stuck rank, the step watcher's rules, the collective timeout, and how a requeued run's segments
+are judged. The real thing runs in tests/integration/test_stall.py and tests/slurm/test_stall_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cyclone_kit.rundir import failures
+from cyclone_kit.rundir.layout import RunDir
+from cyclone_kit.runtime import progress as pg
+from cyclone_kit.runtime import stepwatch as sw
+
+
+# --------------------------------------------------------------------------- the bound
+def test_bound_is_the_floor_or_a_multiple_of_the_median_step() -> None:
+    policy = pg.StallPolicy(floor_s=60, factor=20)
+    assert pg.stall_bound(policy, [0.1, 0.1]) is None, "unarmed before MIN_STEPS timed steps"
+    assert pg.stall_bound(policy, [0.1, 0.2, 0.1]) == 60  # 20 x 0.1 s < the floor
+    assert pg.stall_bound(policy, [5.0, 4.0, 6.0, 100.0]) == pytest.approx(20 * 5.5)  # the median, not the outlier
+    assert pg.stall_bound(pg.StallPolicy(floor_s=0), [1.0] * 10) is None, "floor 0 turns it off"
+
+
+def test_collective_timeout_stays_below_the_remaining_wall_time() -> None:
+    now = 1_000_000.0
+    assert pg.collective_timeout(600, None, now) == 600
+    assert pg.collective_timeout(600, "garbage", now) == 600
+    assert pg.collective_timeout(600, str(now + 3600), now) == 600
+    assert pg.collective_timeout(600, str(now + 300), now) == 300 - pg.END_MARGIN_S
+    assert pg.collective_timeout(600, str(now + 10), now) == 30, "never below 30 s"
+
+
+def test_the_main_thread_waits_for_peers_inside_a_collective_or_backward() -> None:
+    site = "/venv/lib/python3.11/site-packages"
+    assert pg.waiting_for_peers(["train.py", f"{site}/torch/autograd/graph.py"])
+    assert pg.waiting_for_peers(["train.py", f"{site}/torch/distributed/distributed_c10d.py"])
+    assert pg.waiting_for_peers(["train.py", "/src/cyclone_kit/runtime/session.py"])
+    assert not pg.waiting_for_peers([f"{site}/torch/autograd/graph.py", "train.py"]), "only the innermost frame counts"
+    assert not pg.waiting_for_peers(["train.py", f"{site}/torch/serialization.py"]), "a hung load is not a wait"
+    assert not pg.waiting_for_peers([])
+
+
+def _rec(rank: int, step: int | None, state: str = "stalled", waiting: bool | None = None, **extra: Any) -> dict:
+    return {"rank": rank, "host": f"c{rank // 2 + 1}", "pid": 100 + rank, "step": step, "state": state,
+            "waiting": waiting, "idle_s": 12.0, "bound_s": 10.0, "floor_s": 10.0, "factor": 20.0,
+            "median_step_s": 0.05, "where": "train.py:9 in main", **extra}
+
+
+def test_the_stuck_rank_is_the_one_not_waiting_for_its_peers() -> None:
+    records = {0: _rec(0, 14, waiting=True), 1: _rec(1, 14, waiting=False), 2: _rec(2, 14, waiting=True),
+               3: _rec(3, 14, waiting=True)}
+    assert pg.choose_stuck(records, 4) == [1]
+    line = pg.stall_line([1], records, 4)
+    assert line.startswith("rank 1 on host c1 (pid 101) stopped making progress after step 14"), line
+    assert "rank(s) 0, 2, 3 waited for it" in line
+
+
+def test_fewer_steps_and_silence_make_a_rank_stuck() -> None:
+    # rank 2 is a step behind (the others finished a step it never joined)
+    assert pg.choose_stuck({0: _rec(0, 15, waiting=True), 1: _rec(1, 15), 2: _rec(2, 14, waiting=True)}, 3) == [2]
+    # rank 1 never answered (SIGSTOP, a frozen node): a suspect, with no stack
+    records = {0: _rec(0, 14, waiting=True), 1: _rec(1, 14, state="running")}
+    assert pg.choose_stuck(records, 2) == [1]
+    assert "did not answer" in pg.stall_line([1], records, 2)
+    # no record at all (died before its first heartbeat)
+    assert pg.choose_stuck({0: _rec(0, 3, waiting=True)}, 2) == [1]
+    # everyone waits in a collective: nobody stands out, all are named
+    assert pg.choose_stuck({0: _rec(0, 7, waiting=True), 1: _rec(1, 7, waiting=True)}, 2) == [0, 1]
+
+
+def test_stall_failure_carries_the_stuck_ranks_stack() -> None:
+    records = {0: _rec(0, 14, waiting=True), 1: _rec(1, 14, waiting=False, stack='File "train.py", line 9 in main')}
+    doc, errors = pg.stall_failure([1], records, 2, "42", "42:0")
+    assert doc["cause"] == "stalled" and doc["rank"] == 1 and doc["host"] == "c1" and doc["segment"] == "42:0"
+    assert errors[1]["type"] == "Stalled" and 'line 9 in main' in errors[1]["traceback"]
+    assert doc["first"]["traceback"] == errors[1]["traceback"]
+
+
+class _Records:
+    """An in-memory stand-in for the run directory's progress records (one rank's view)."""
+
+    def __init__(self) -> None:
+        self.data: dict[int, dict[str, Any]] = {}
+
+    def write(self, rank: int, rec: dict[str, Any]) -> None:
+        self.data[rank] = json.loads(json.dumps(rec, default=str))
+
+    def read_all(self) -> dict[int, Any]:
+        return dict(self.data)
+
+
+def test_the_watchdog_fires_once_the_bound_passes_without_a_step() -> None:
+    """A real ProgressWatch thread: steps every ~10 ms, then none. It dumps this thread's stack,
+    calls on_stall and leaves through `exit` (here: recorded, not os._exit)."""
+    records, called, exits = _Records(), [], []
+    done = threading.Event()
+
+    def on_stall(stuck: list[int], recs: dict[int, Any], own: dict[str, Any]) -> None:
+        called.append((stuck, own))
+
+    def leave(code: int) -> None:
+        exits.append(code)
+        done.set()
+
+    watch = pg.ProgressWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.5, factor=20), "7:0", on_stall,
+                             exit=leave, settle_s=0.0).start()
+    for step in range(1, 6):
+        watch.beat(step)
+        time.sleep(0.01)
+    stopped = time.monotonic()
+    assert done.wait(30), "the watchdog never fired"
+    waited = time.monotonic() - stopped
+    assert exits == [pg.STALL_EXIT_CODE]
+    (stuck, own), = called
+    assert stuck == [0] and own["state"] == "stalled" and own["step"] == 5
+    assert "test_the_watchdog_fires_once_the_bound_passes" in own["stack"], own["stack"][:500]
+    assert own["idle_s"] > own["bound_s"] == 0.5
+    assert waited >= 0.5, waited
+
+
+def test_a_pause_is_not_a_stall() -> None:
+    records, called = _Records(), []
+    watch = pg.ProgressWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
+                             lambda *a: called.append(a), exit=lambda code: None, settle_s=0.0).start()
+    for step in range(1, 6):
+        watch.beat(step)
+    with watch.paused():  # a checkpoint three times the bound
+        time.sleep(1.0)
+    watch.beat(6)
+    watch.stop()
+    assert not called
+    assert records.data[0]["state"] == "ended" and records.data[0]["step"] == 6
+
+
+# --------------------------------------------------------------------------- the step watcher
+def _view(progress: dict[int, dict], errors: dict[int, dict] | None = None, failure: dict | None = None):
+    return sw.SegmentView(failure, errors or {}, progress)
+
+
+def test_vanished_ranks_need_a_peer_that_lost_its_connection() -> None:
+    progress = {0: _rec(0, 60, state="running"), 1: _rec(1, 60, state="running")}
+    reset = {0: {"rank": 0, "host": "c1", "type": "RuntimeError", "time": "t1",
+                 "message": "[pair.cc:545] Read error [127.0.0.1]:41165: Connection reset by peer"}}
+    view = _view(progress, reset)
+    assert sw.vanished(view) == [1]
+    assert sw.cause_of(view) == "rank_lost"
+    line = sw.lost_line([1], view)
+    assert line.startswith("rank(s) 1 on host c1 vanished after step 60"), line
+    assert "then rank 0 on c1: RuntimeError" in line
+    # a real bug first: the others were stopped by srun, not lost
+    bug = {0: {"rank": 0, "host": "c1", "type": "ValueError", "message": "bad shape", "time": "t1"}}
+    assert sw.vanished(_view(progress, bug)) == [] and sw.cause_of(_view(progress, bug)) == "rank_failed"
+    # a rank whose parent saw it exit did not vanish
+    exited = {**progress, 1: _rec(1, 60, state="exited")}
+    assert sw.vanished(_view(exited, reset)) == []
+
+
+def test_silent_ranks_and_the_end_time() -> None:
+    now = 1000.0
+    fresh = {0: _rec(0, 5, state="running", beat_time=now - 5), 1: _rec(1, 5, state="running", beat_time=now - 100)}
+    assert not sw.silent(_view(fresh), now)
+    stale = {r: {**p, "beat_time": now - 2 * 10 - sw.SILENT_SLACK_S - 1} for r, p in fresh.items()}
+    assert sw.silent(_view(stale), now)
+    unarmed = {r: {**p, "bound_s": None} for r, p in stale.items()}
+    assert not sw.silent(_view(unarmed), now)
+    assert sw.end_time(now, "4:57") == now + 297
+    assert sw.end_time(now, "UNLIMITED") is None and sw.end_time(now, None) is None
+
+
+# --------------------------------------------------------------------------- segments
+def _lines(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_requeued_run_is_judged_by_its_last_segment(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    rd.ranks.mkdir(parents=True)
+    t = "2026-12-01T17:0{}:00.000+00:00".format
+    _lines(rd.metrics, [{"kind": "start", "time": t(0), "restart_count": 0},
+                        {"kind": "end", "status": "failed", "time": t(2)},
+                        {"kind": "start", "time": t(4), "restart_count": 1}])
+    failed = failures.failure_doc(written_by="stepwatch", cause="rank_lost", root_cause="rank(s) 1 on host c2 vanished",
+                                  host="c2", time=t(1), segment="16:0")
+    failures.write_failure(tmp_path, failed, first_wins=True)
+    rd.error_record(0).write_text(json.dumps({"rank": 0, "host": "c1", "type": "RuntimeError",
+                                              "message": "Connection reset by peer", "time": t(1)}))
+    assert failures.root_cause(tmp_path) is None, "the failure belongs to the first segment"
+    segments = failures.segment_history(tmp_path)
+    assert failures.history_line(segments) == "running (2 segments: RANK_LOST on c2, then running)"
+    assert failures.history_line(segments, ["NODE_FAIL", "RUNNING"]) == (
+        "running (2 segments: NODE_FAIL on c2, then running)")
+
+    # the second segment stalls: its failure.json replaces the first one's, which is kept aside
+    stalled = failures.failure_doc(written_by="progress-watchdog", cause="stalled", root_cause="rank 1 stalled",
+                                   host="c2", time=t(5), segment="16:1")
+    assert failures.write_failure(tmp_path, stalled, first_wins=True)
+    assert failures.root_cause(tmp_path) == "rank 1 stalled"
+    assert [json.loads(p.read_text())["segment"] for p in rd.past_failures()] == ["16:0"]
+    with rd.metrics.open("a") as f:
+        f.write(json.dumps({"kind": "end", "status": "failed", "time": t(6)}) + "\n")
+        f.write(json.dumps({"kind": "start", "time": t(8), "restart_count": 2}) + "\n")
+        f.write(json.dumps({"kind": "end", "status": "completed", "time": t(9)}) + "\n")
+    assert failures.root_cause(tmp_path) is None
+    line = failures.history_line(failures.segment_history(tmp_path), ["REQUEUED", "PREEMPTED", "COMPLETED"])
+    assert line == "completed (3 segments: RANK_LOST on c2, PREEMPTED on c2, then completed)", line
+
+
+def test_one_segment_has_no_history() -> None:
+    assert failures.history_line([{"status": "completed", "failure": None}]) is None
