@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
-    from cyclone_kit.backends.local import LocalBackend, format_failure, launch, local_job
+    from cyclone_kit.backends.local import LocalBackend, format_failure, gpu_slices, launch, local_job, visible_gpus
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.rundir.entry import rank_argv
     from cyclone_kit.rundir.layout import RunDir
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValidationError(f"--{flag}={value} must be at least 1", hint=f"e.g. --{flag} 2")
     if args.timeout is not None and args.timeout <= 0:
         raise ValidationError(f"--timeout={args.timeout:g} must be positive", hint="e.g. --timeout 600")
+    if args.nproc and args.nodes:  # before any run directory: ranks that would share a GPU
+        gpu_slices(visible_gpus({**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {})}),
+                   args.nproc, args.nodes)
     if args.resume:
         rd = RunDir(Path(args.resume).absolute())
         if not rd.is_run_dir():

@@ -171,3 +171,15 @@ def test_log_step_stops_the_window_clock_after_the_loss_sync(tmp_path: Path) -> 
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
     assert [s["step"] for s in steps] == [2, 4]
     assert all(s["step_time_s"] >= 0.15 for s in steps), steps  # 0.3 s of device wait per 2-step window
+
+
+def test_run_refuses_more_ranks_than_gpus_before_making_a_run_dir(tmp_path: Path) -> None:
+    """Likely item: `run --nodes 2` on a one-GPU box put both pretend nodes on cuda:0 (NCCL:
+    "Duplicate GPU detected"); now it is one line, exit 2, and no half-made run directory."""
+    from tests.conftest import REPO, run_cli
+
+    proc = run_cli("run", str(REPO / "jobs" / "smoke.toml"), "--nproc", "2", "--nodes", "2", "--runs-dir",
+                   str(tmp_path / "runs"), env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Duplicate GPU" in proc.stderr and "HINT:" in proc.stderr
+    assert not (tmp_path / "runs").exists()

@@ -76,3 +76,97 @@ def test_channels_last_converts_the_weights_only_where_the_collectives_take_them
     weight = model.features[0].weight
     assert weight.is_contiguous() is (strategy in CONTIGUOUS_PARAMS)
     assert weight.is_contiguous(memory_format=torch.channels_last) is (strategy not in CONTIGUOUS_PARAMS)
+
+
+@pytest.mark.parametrize(("environ", "listed", "gpus"), [
+    ({"CUDA_VISIBLE_DEVICES": "2,3"}, 8, ["2", "3"]),
+    ({"CUDA_VISIBLE_DEVICES": ""}, 8, []),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, 8, []),
+    ({}, 4, ["0", "1", "2", "3"]),
+    ({}, 0, []),
+])
+def test_visible_gpus_from_the_environment_or_the_driver(tmp_path, environ, listed, gpus) -> None:
+    from cyclone_kit.backends.local import visible_gpus
+
+    driver = tmp_path / "gpus"
+    driver.mkdir()
+    for i in range(listed):
+        (driver / f"0000:{i:02x}:00.0").mkdir()
+    assert visible_gpus(environ, driver) == gpus
+    assert visible_gpus({}, tmp_path / "no-driver") == []
+
+
+@pytest.mark.parametrize(("gpus", "nproc", "nodes", "slices"), [
+    ([], 4, 2, None),                                  # no GPU: the CPU, as before
+    (["0", "1", "2", "3"], 2, 1, ["0,1,2,3"]),         # one node sees them all: cuda:LOCAL_RANK
+    (["0", "1", "2", "3"], 4, 2, ["0,1", "2,3"]),      # two pretend nodes: disjoint halves
+    (["4", "5"], 2, 2, ["4", "5"]),
+])
+def test_pretend_nodes_get_disjoint_gpus(gpus, nproc, nodes, slices) -> None:
+    from cyclone_kit.backends.local import gpu_slices, rank_environments
+
+    assert gpu_slices(gpus, nproc, nodes) == slices
+    if slices:  # every rank then sees its node's slice, and no GPU is seen by two nodes
+        envs = rank_environments(nproc, nodes, job_id="1", master_port=1, threads=1, run_dir=".")
+        seen = [slices[int(e["SLURM_NODEID"])].split(",")[int(e["SLURM_LOCALID"])] for e in envs]
+        assert len(set(seen)) == nproc
+
+
+@pytest.mark.parametrize(("nproc", "nodes"), [(2, 2), (2, 1)])
+def test_more_ranks_than_gpus_is_refused_before_nccl_says_duplicate_gpu(nproc: int, nodes: int) -> None:
+    """Likely item: `run --nodes 2` on a one-GPU box gave both pretend nodes cuda:0."""
+    from cyclone_kit.backends.local import gpu_slices
+    from cyclone_kit.core.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="Duplicate GPU") as err:
+        gpu_slices(["0"], nproc, nodes)
+    assert "HINT: use --nproc 1 or fewer" in str(err.value) and "--cpu" in str(err.value)
+
+
+def _gpu_job(profile_changes: dict, script: bool, extra_sbatch: tuple[str, ...] = (), launcher: str = "srun"):
+    import dataclasses
+
+    from cyclone_kit.spec.job import spec_from_dict
+    from cyclone_kit.spec.profile import load_profile
+    from cyclone_kit.spec.validate import resolve
+
+    data = {"name": "t", "resources": {"profile": "cyclone", "partition": "gpu", "nodes": 1, "account": "p1",
+                                       "launcher": launcher, "extra_sbatch": list(extra_sbatch)}}
+    if script:
+        data["script"] = {"path": "/x/train.py"}
+    profile = dataclasses.replace(load_profile("cyclone"), **profile_changes)
+    return resolve(spec_from_dict(data), profile)
+
+
+@pytest.mark.parametrize(("changes", "extra", "launcher"), [
+    ({"gpu_bind": "single:1"}, (), "srun"),
+    ({"gpu_bind": "closest"}, (), "srun"),
+    ({"gpu_bind": "verbose,per_task:1"}, (), "srun"),
+    ({}, ("--gpus-per-task=1",), "srun"),
+    ({}, ("--gpus-per-task=1",), "torchrun"),
+])
+def test_a_script_job_whose_tasks_each_see_one_gpu_is_refused(changes, extra, launcher) -> None:
+    """Likely item: under --gpus-per-task=1 a script taking cuda:LOCAL_RANK fails on local rank 1."""
+    from cyclone_kit.core.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="cuda:LOCAL_RANK") as err:
+        _gpu_job(changes, script=True, extra_sbatch=extra, launcher=launcher)
+    assert 'gpu_bind = "none"' in str(err.value)
+    _gpu_job(changes, script=False, extra_sbatch=extra, launcher=launcher)  # the built-in trainer copes
+
+
+def test_a_script_job_with_every_gpu_visible_is_accepted() -> None:
+    job = _gpu_job({}, script=True)  # the cyclone profile: gpu_bind = "none", 4 ranks per node
+    assert job.ntasks_per_node == 4
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "local_world", "warns"), [
+    ("1", 1, 4, True), ("0", 0, 4, True), ("0,1,2,3", 1, 4, False), ("", 1, 4, False), ("0", 0, 1, False),
+])
+def test_the_shim_names_a_one_gpu_per_task_layout(visible, local_rank, local_world, warns) -> None:
+    from cyclone_kit.runtime.launch import one_gpu_layout
+
+    text = one_gpu_layout({"CUDA_VISIBLE_DEVICES": visible}, local_rank, local_world)
+    assert (text is not None) is warns
+    if warns:
+        assert "invalid device ordinal" in text and "HINT:" in text and "\n" not in text
