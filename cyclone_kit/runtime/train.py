@@ -47,8 +47,8 @@ from cyclone_kit.runtime.signals import NONE, StopFlag
 from cyclone_kit.spec.job import JobSpec, TrainConfig
 
 __all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "fsdp_mixed_precision", "gather_hosts", "gather_to_main",
-           "make_optimizer", "optimizer_step", "place_model", "strategy_for", "train", "unwrap", "use_fused_sgd",
-           "use_static_graph", "wrap_model"]
+           "keep_kernel_choice", "make_optimizer", "optimizer_step", "place_model", "strategy_for", "train", "unwrap",
+           "use_fused_sgd", "use_static_graph", "wrap_model"]
 
 
 
@@ -571,8 +571,39 @@ class _Loop:
 
 
 # --------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def keep_kernel_choice(optimizer: torch.optim.Optimizer) -> Any:
+    """Keep each param group's ``fused``/``foreach`` through a ``load_state_dict`` inside the block.
+
+    A state dict carries its writer's hyperparameters, these included: loading one written by a
+    plain SGD (an older run, the CPU) into a fused one would set ``fused=False`` while the optimizer
+    still says ``_step_supports_amp_scaling``, and GradScaler.step would then hand grad_scale and
+    found_inf to the plain kernel ("Expected grad_scale and found_inf to be None", torch 2.14).
+    """
+    choice = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    yield
+    for group, kept in zip(optimizer.param_groups, choice, strict=True):
+        group.update(kept)
+
+
 def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              scaler: Any, env: DistEnv, sharded: bool = False, folder: Path | None = None) -> int:
+    with keep_kernel_choice(optimizer):
+        _load_states(state, model, optimizer, sharded, folder)
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    rngs = state.get("rng") or []
+    if len(rngs) == env.world_size:
+        ckpt.restore_rng(rngs[env.rank])
+    elif env.is_main and rngs:
+        warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
+             "RNG streams are reseeded, the rest resumes exactly")
+    return int(state["step"])
+
+
+def _load_states(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool,
+                 folder: Path | None) -> None:
     fqn = state.get("optimizer_format") == "fqn"
     if state.get("optimizer_format") == "dcp":  # FSDP shards (checkpoint.sharded) in folder/ckpt-N.dcp
         from cyclone_kit.runtime import fsdp_ckpt
@@ -603,16 +634,6 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
     else:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and "scaler" in state:
-        scaler.load_state_dict(state["scaler"])
-    rngs = state.get("rng") or []
-    if len(rngs) == env.world_size:
-        ckpt.restore_rng(rngs[env.rank])
-    elif env.is_main and rngs:
-        warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
-             "RNG streams are reseeded, the rest resumes exactly")
-    return int(state["step"])
 
 
 def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:

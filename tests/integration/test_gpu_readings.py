@@ -183,3 +183,25 @@ def test_run_refuses_more_ranks_than_gpus_before_making_a_run_dir(tmp_path: Path
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "Duplicate GPU" in proc.stderr and "HINT:" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_with_torch_compile_and_bf16_trains_through_the_runtime(tmp_path: Path) -> None:
+    """FSDP2 + torch.compile (+ the bf16 MixedPrecisionPolicy) where torch allows it on the CPU: two
+    gloo ranks through `cyclone-kit run` complete their steps and agree on the loss they log."""
+    from tests.conftest import REPO, run_cli
+
+    sets = ["train.strategy=fsdp", "train.compile=true", "train.precision=bf16", "train.steps=3", "train.log_every=1",
+            "train.val_every_epochs=0", "checkpoint.every_steps=0"]
+    argv = ["run", str(REPO / "jobs" / "smoke.toml"), "--nproc", "2", "--threads", "1", "--cpu", "--quiet",
+            "--runs-dir", str(tmp_path / "runs")]
+    for item in sets:
+        argv += ["--set", item]
+    proc = run_cli(*argv, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    start, end = recs[0], recs[-1]
+    assert (start["strategy"], start["precision"], start["world_size"]) == ("fsdp", "bf16", 2)
+    assert (end["kind"], end["status"], end["steps"]) == ("end", "completed", 3)
+    assert [r["step"] for r in recs if r["kind"] == "step"] == [1, 2, 3]

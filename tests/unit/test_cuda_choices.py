@@ -3,6 +3,8 @@ what GradScaler.step then syncs, FSDP2's mixed-precision policy, which strategie
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -170,3 +172,26 @@ def test_the_shim_names_a_one_gpu_per_task_layout(visible, local_rank, local_wor
     assert (text is not None) is warns
     if warns:
         assert "invalid device ordinal" in text and "HINT:" in text and "\n" not in text
+
+
+def test_a_plain_sgd_checkpoint_resumed_into_fused_sgd_keeps_the_fused_kernel() -> None:
+    """A state dict carries fused=False from its writer; loaded as is, the next GradScaler step of the
+    fused optimizer would give grad_scale/found_inf to the plain kernel, which asserts they are None."""
+    from cyclone_kit.runtime.train import keep_kernel_choice
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    written = make_optimizer(model, 0.1, TrainConfig(), fused=False).state_dict()
+    for keep in (False, True):
+        opt = make_optimizer(model, 0.1, TrainConfig(), fused=True)
+        with keep_kernel_choice(opt) if keep else contextlib.nullcontext():
+            opt.load_state_dict(written)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(torch.randn(3, 8)).sum()).backward()
+        if keep:
+            scaler.step(opt)
+            assert opt.param_groups[0]["fused"] is True
+        else:
+            with pytest.raises(AssertionError, match="grad_scale and found_inf to be None"):
+                scaler.step(opt)
+        model.zero_grad(set_to_none=True)
