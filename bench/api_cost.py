@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_out is not None:
         return rank_main(args.rank_out, [a for a in rest if a != "--"])
 
-    from cyclone_kit.backends.local import launch
+    from cyclone_kit.backends.srun_emulator import launch
 
     print(f"api_cost: examples/ddp_ck.py (width {args.width}), batch {args.batch}/rank, {args.steps} steps, "
           f"log_every {args.log_every}, "

@@ -178,15 +178,12 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **i
     given = run_dir if run_dir is not None else environ.get("CYCLONE_RUN_DIR") or None
     folder = Path(given).absolute() if given else None
     cc, spec_log_every = _spec_settings(folder) if folder is not None else (CheckpointConfig(), None)
-    from cyclone_kit.runtime.signals import StopFlag
-
-    stop_flag = StopFlag(cc.signal).install()
     _install_hook()
     from cyclone_kit.runtime.env import detect
     from cyclone_kit.runtime.session import open_session
 
     env = detect(environ)
-    session = open_session(env, environ, folder or Path(), cc, stop_flag=stop_flag, group_for_one=True,
+    session = open_session(env, environ, folder or Path(), cc, group_for_one=True,
                            t_start=t_start)
     if folder is None:
         folder = _new_run_dir(session)

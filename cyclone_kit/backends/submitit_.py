@@ -136,7 +136,7 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
     submitit's local executor copies os.environ into the job when it starts it.
     """
-    from cyclone_kit.backends.local import clean_environment
+    from cyclone_kit.backends.local_env import clean_environment
 
     saved = dict(os.environ)
     try:
@@ -228,7 +228,7 @@ class SubmititBackend:
     def _run_local(self, job: Any, run_dir: Path, folder: Path) -> str:
         import submitit
 
-        from cyclone_kit.backends.local import available_cores, free_port, threads_per_rank
+        from cyclone_kit.backends.local_env import available_cores, free_port, threads_per_rank
 
         threads = threads_per_rank(job.world_size, available_cores())
         env = {

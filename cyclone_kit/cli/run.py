@@ -41,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
-    from cyclone_kit.backends.local import LocalBackend, format_failure, gpu_slices, launch, local_job, visible_gpus
+    from cyclone_kit.backends.local import LocalBackend, local_job
+    from cyclone_kit.backends.local_env import gpu_slices, visible_gpus
+    from cyclone_kit.backends.srun_emulator import format_failure, launch
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.rundir.entry import rank_argv
     from cyclone_kit.rundir.layout import RunDir

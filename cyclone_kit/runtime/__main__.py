@@ -39,7 +39,7 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
     from cyclone_kit.rundir.failures import rank_guess
     from cyclone_kit.rundir.layout import RunDir
     from cyclone_kit.runtime.env import detect
-    from cyclone_kit.runtime.signals import StopFlag
+    from cyclone_kit.runtime.signals import catch_stop_signals
     from cyclone_kit.spec.job import load_spec
 
     environ = os.environ
@@ -48,7 +48,7 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
     try:
         spec = load_spec(Path(spec_path) if spec_path else RunDir(run_dir).spec)
         # Catch the requeue signal (and SIGTERM) before the slow imports below.
-        stop_flag = StopFlag(spec.checkpoint.signal).install()
+        stop_flag = catch_stop_signals(spec.checkpoint.signal)
         env = detect(environ)
         rank, host = env.rank, env.host or host
         from cyclone_kit.runtime.dist import teardown

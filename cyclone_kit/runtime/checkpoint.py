@@ -11,17 +11,15 @@ at any moment leaves either the old set or the new set of complete files. Loadin
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cyclone_kit.rundir.fileio import FILE_MODE
+from cyclone_kit.rundir.fileio import atomic_file
 
 FORMAT = 1
 #: The key under which a checkpoint written through the public API (``ck.save_checkpoint``) holds the script's dict.
@@ -62,23 +60,12 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(folder, step)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, FILE_MODE)  # group-readable like every run-directory file (cyclone_kit.rundir.fileio)
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(folder)
+    with atomic_file(final, fsync_dir=True) as f:
+        torch.save({"format": FORMAT, **state}, f)
     for _, old in list_checkpoints(folder)[keep:]:
         old.unlink(missing_ok=True)
     for stale in folder.glob(".ckpt-*.tmp"):  # left by a process killed while writing
-        if stale.name != Path(tmp).name:
-            stale.unlink(missing_ok=True)
+        stale.unlink(missing_ok=True)
     return final
 
 
@@ -140,16 +127,3 @@ def restore_rng(state: dict[str, Any]) -> None:
 def _py_state(state: tuple[Any, ...]) -> list[Any]:
     version, internal, gauss = state
     return [version, list(internal), gauss]
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

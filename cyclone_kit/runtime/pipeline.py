@@ -365,7 +365,6 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     tc, cc = spec.train, spec.checkpoint
-    stop_flag = stop_flag or StopFlag(cc.signal).install()
     if tc.batch_size < tc.microbatches:
         raise ValidationError(
             f"train.batch_size {tc.batch_size} is smaller than train.microbatches {tc.microbatches}",

@@ -35,7 +35,7 @@ from cyclone_kit.core.errors import CommandError, ValidationError
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
 from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, requeue, should_requeue, under_slurm
+from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, catch_stop_signals, requeue, should_requeue, under_slurm
 from cyclone_kit.spec.job import CheckpointConfig
 
 
@@ -269,7 +269,7 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
             own ring moves the gradients).
     """
     t_start = time.perf_counter() if t_start is None else t_start
-    stop_flag = stop_flag or StopFlag(cc.signal).install()
+    stop_flag = stop_flag or catch_stop_signals(cc.signal)
     threads = setup_threads(environ)
     device = probe_device(env, environ)
     if device.warning and env.local_rank == 0:

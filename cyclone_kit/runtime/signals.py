@@ -70,6 +70,15 @@ class StopFlag:
         self.value = max(self.value, value)
 
 
+def catch_stop_signals(requeue_signal: str = "USR2") -> StopFlag:
+    """Install the stop handlers (the requeue signal and SIGTERM) and return their flag.
+
+    The one way they are installed: by the session when it opens (:func:`~cyclone_kit.runtime.session.open_session`),
+    or earlier by the trainer's entry point, so that a signal during its slow imports is not lost.
+    """
+    return StopFlag(requeue_signal).install()
+
+
 class StopAgreement:
     """Agree across ranks on when to stop, with an overlapped all-reduce about every ``interval_s``.
 

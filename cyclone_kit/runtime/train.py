@@ -300,7 +300,6 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     run_dir = Path(run_dir)
     tc, cc = spec.train, spec.checkpoint
     strategy = strategy_for(tc.strategy)
-    stop_flag = stop_flag or StopFlag(cc.signal).install()
     if strategy.prepare_env is not None:  # Horovod: hvd.init(); ranks, local rank (device) and side channel
         env = strategy.prepare_env(env, environ, tc.pg_timeout_s)
     seed_everything(tc.seed)

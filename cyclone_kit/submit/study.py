@@ -144,7 +144,9 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
         echo: receives rank 0's output of each run (None: silent).
         out, err: progress lines and failure reports (default: nowhere).
     """
-    from cyclone_kit.backends.local import LocalBackend, available_cores, format_failure, launch
+    from cyclone_kit.backends.local import LocalBackend
+    from cyclone_kit.backends.local_env import available_cores
+    from cyclone_kit.backends.srun_emulator import format_failure, launch
     from cyclone_kit.rundir.entry import rank_argv
 
     out, err = out or io.StringIO(), err or io.StringIO()

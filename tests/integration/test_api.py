@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from cyclone_kit.backends.local import clean_environment
+from cyclone_kit.backends.local_env import clean_environment
 from cyclone_kit.runtime import checkpoint as ckpt
 from tests.conftest import REPO, run_cli
 
@@ -72,10 +72,10 @@ def make_run_dir(path: Path, spec: dict[str, Any]) -> Path:
 
 
 def launcher(run_dir: Path, nproc: int, *script_args: str) -> subprocess.Popen[str]:
-    """The local launcher (cyclone_kit.backends.local.launch) running ddp_ck.py on ``nproc`` ranks."""
+    """The local launcher (cyclone_kit.backends.srun_emulator.launch) running ddp_ck.py on ``nproc`` ranks."""
     code = textwrap.dedent(f"""
         import sys
-        from cyclone_kit.backends.local import launch
+        from cyclone_kit.backends.srun_emulator import launch
         result = launch({str(run_dir)!r}, {nproc}, threads=1, timeout_s={TIMEOUT_S},
                         command=[sys.executable, {DDP_CK!r}, *{list(script_args)!r}])
         sys.exit(0 if result.ok else 1)

@@ -18,7 +18,7 @@ import pytest
 
 from cyclone_kit.analysis.ingest import load_runs
 from cyclone_kit.analysis.synthetic import SyntheticRun, run_records
-from cyclone_kit.backends.local import launch
+from cyclone_kit.backends.srun_emulator import launch
 from cyclone_kit.rundir import contract
 from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.spec.job import spec_from_dict, spec_to_dict

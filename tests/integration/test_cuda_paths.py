@@ -155,7 +155,7 @@ def test_imagefolder_run_with_workers_checkpoints_when_slurm_signals_every_proce
     import os
     import signal
 
-    from cyclone_kit.backends.local import LAUNCH_FILE
+    from cyclone_kit.backends.srun_emulator import LAUNCH_FILE
     from tests.conftest import REPO
     from tests.integration.test_signals import alive, records, wait_for
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit.backends.local import FAILURE_FILE, LAUNCH_FILE, launch
+from cyclone_kit.backends.srun_emulator import FAILURE_FILE, LAUNCH_FILE, launch
 from tests.conftest import REPO
 
 SMOKE = REPO / "jobs" / "smoke.toml"

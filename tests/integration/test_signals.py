@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from cyclone_kit.backends.local import LAUNCH_FILE, launch
+from cyclone_kit.backends.srun_emulator import LAUNCH_FILE, launch
 from cyclone_kit.rundir.failures import root_cause
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.runtime import watchdog

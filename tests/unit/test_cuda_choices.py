@@ -88,7 +88,7 @@ def test_channels_last_converts_the_weights_only_where_the_collectives_take_them
     ({}, 0, []),
 ])
 def test_visible_gpus_from_the_environment_or_the_driver(tmp_path, environ, listed, gpus) -> None:
-    from cyclone_kit.backends.local import visible_gpus
+    from cyclone_kit.backends.local_env import visible_gpus
 
     driver = tmp_path / "gpus"
     driver.mkdir()
@@ -105,7 +105,7 @@ def test_visible_gpus_from_the_environment_or_the_driver(tmp_path, environ, list
     (["4", "5"], 2, 2, ["4", "5"]),
 ])
 def test_pretend_nodes_get_disjoint_gpus(gpus, nproc, nodes, slices) -> None:
-    from cyclone_kit.backends.local import gpu_slices, rank_environments
+    from cyclone_kit.backends.local_env import gpu_slices, rank_environments
 
     assert gpu_slices(gpus, nproc, nodes) == slices
     if slices:  # every rank then sees its node's slice, and no GPU is seen by two nodes
@@ -117,7 +117,7 @@ def test_pretend_nodes_get_disjoint_gpus(gpus, nproc, nodes, slices) -> None:
 @pytest.mark.parametrize(("nproc", "nodes"), [(2, 2), (2, 1)])
 def test_more_ranks_than_gpus_is_refused_before_nccl_says_duplicate_gpu(nproc: int, nodes: int) -> None:
     """Likely item: `run --nodes 2` on a one-GPU box gave both pretend nodes cuda:0."""
-    from cyclone_kit.backends.local import gpu_slices
+    from cyclone_kit.backends.local_env import gpu_slices
     from cyclone_kit.core.errors import ValidationError
 
     with pytest.raises(ValidationError, match="Duplicate GPU") as err:

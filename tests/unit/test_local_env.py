@@ -6,20 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit.backends.local import (
-    LaunchResult,
-    RankExit,
+from cyclone_kit.backends.local import local_job
+from cyclone_kit.backends.local_env import (
     clean_environment,
-    failure_record,
     fake_hosts,
-    local_job,
     nodelist_string,
     rank_environments,
-    root_cause_line,
-    signal_name,
     tasks_per_node_string,
     threads_per_rank,
 )
+from cyclone_kit.backends.srun_emulator import LaunchResult, RankExit, failure_record, root_cause_line, signal_name
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import detect
 from cyclone_kit.spec.job import spec_from_dict

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cyclone_kit.backends.local import rank_environments
+from cyclone_kit.backends.local_env import rank_environments
 from cyclone_kit.core.malloc import GLIBC_TUNABLES, malloc_environment
 
 

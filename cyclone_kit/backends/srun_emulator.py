@@ -1,0 +1,465 @@
+"""The srun emulator: N real rank processes on this machine, each with a Slurm-like environment.
+
+Every rank gets the variables ``srun`` would give it (:mod:`cyclone_kit.backends.local_env`),
+so the runtime takes the very bootstrap path it takes under Slurm.
+
+Each rank runs in its own process group, writing ``logs/rank-N.out`` / ``.err`` in the run
+directory. When a rank fails, the others are stopped within seconds (SIGTERM to each
+process group, SIGKILL after a grace period), the first failure is reported first (rank,
+host, exit code or signal, last lines of its stderr, its error record when it wrote one) and
+written to ``failure.json``; Ctrl-C or SIGTERM to the launcher stops every rank the same way
+(torchrun's ChildFailedError / ``@record`` idea).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from cyclone_kit.backends.local_env import (
+    available_cores,
+    free_port,
+    gpu_slices,
+    new_job_id,
+    rank_environments,
+    threads_per_rank,
+    visible_gpus,
+)
+from cyclone_kit.rundir import failures
+from cyclone_kit.rundir.entry import trainer_words
+from cyclone_kit.rundir.failures import read_error_record, signal_name
+from cyclone_kit.rundir.layout import FAILURE_FILE, LAUNCH_FILE, RunDir
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["FAILURE_FILE", "LAUNCH_FILE", "LaunchResult", "RankExit", "format_failure", "launch", "signal_name"]
+
+#: Seconds between SIGTERM and SIGKILL when stopping ranks.
+GRACE_S = 5.0
+STDERR_TAIL_LINES = 20
+
+
+#: Signals the launcher passes on to every rank, as srun does for ``--signal``.
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank ended.
+
+    Attributes:
+        rank: global rank.
+        host: the pretend node it ran on.
+        pid: its process id (also its process-group id).
+        returncode: exit status; negative: killed by that signal; None: still unknown.
+        elapsed_s: seconds from launch to its exit.
+        stopped: True when the launcher itself stopped it (after another rank's failure or Ctrl-C).
+    """
+
+    rank: int
+    host: str
+    pid: int
+    returncode: int | None
+    elapsed_s: float
+    stopped: bool = False
+
+    @property
+    def failed(self) -> bool:
+        """True when it ended by itself with a non-zero status."""
+        return not self.stopped and self.returncode not in (0, None)
+
+    @property
+    def how(self) -> str:
+        """``exit code 1`` or ``killed by SIGKILL``."""
+        sig = signal_name(self.returncode)
+        return f"killed by {sig}" if sig else f"exit code {self.returncode}"
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What a local launch produced.
+
+    Attributes:
+        job_id: the fake SLURM_JOB_ID the ranks saw.
+        run_dir: the run directory.
+        exits: every rank's :class:`RankExit`, in rank order.
+        first_failure: the root cause (the first rank that failed by itself), or None.
+        interrupted: the launcher was interrupted (Ctrl-C / SIGTERM) and stopped the ranks.
+        wall_time_s: seconds from the first start to the last exit.
+        stop_s: seconds from the first failure (or interrupt) until every rank was gone.
+    """
+
+    job_id: str
+    run_dir: Path
+    exits: tuple[RankExit, ...]
+    first_failure: RankExit | None
+    interrupted: bool
+    wall_time_s: float
+    stop_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when every rank exited 0."""
+        return self.first_failure is None and not self.interrupted
+
+    @property
+    def returncode(self) -> int:
+        """0, 130 after an interrupt, else 1."""
+        return 0 if self.ok else (130 if self.interrupted and self.first_failure is None else 1)
+
+
+def root_cause_line(failure: RankExit, error: Mapping[str, Any] | None = None) -> str:
+    """One line naming the first failure: rank, host, exit code or signal, error type (pure)."""
+    line = f"rank {failure.rank} on host {failure.host} (pid {failure.pid}) {failure.how} after {failure.elapsed_s:.1f} s"
+    if error and (error.get("type") or error.get("message")):
+        message = " ".join(str(error.get("message", "")).split())
+        line += f": {error.get('type', 'Error')}: {message[:300]}"
+    return line
+
+
+def tail_lines(path: Path, n: int = STDERR_TAIL_LINES, max_bytes: int = 64_000) -> list[str]:
+    """The last ``n`` lines of a text file ([] when it is missing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", errors="replace").splitlines()[-n:]
+
+
+def failure_record(result: LaunchResult) -> dict[str, Any]:
+    """The ``failure.json`` document for a failed or interrupted launch (schema: :mod:`cyclone_kit.rundir.failures`)."""
+    first = result.first_failure
+    ranks = [
+        {"rank": e.rank, "host": e.host, "pid": e.pid, "exit_code": e.returncode, "signal": signal_name(e.returncode),
+         "elapsed_s": round(e.elapsed_s, 3), "stopped_by_launcher": e.stopped}
+        for e in result.exits
+    ]
+    common: dict[str, Any] = {"written_by": "local", "job_id": result.job_id, "ranks": ranks,
+                              "stop_s": None if result.stop_s is None else round(result.stop_s, 3)}
+    if first is None:
+        summary = "interrupted: the launcher was stopped (Ctrl-C, SIGTERM or --timeout) and stopped every rank"
+        return failures.failure_doc(cause="interrupted", root_cause=summary, **common)
+    error = read_error_record(result.run_dir, first.rank)
+    rd = RunDir(result.run_dir)
+    return failures.failure_doc(
+        cause="rank_failed", root_cause=root_cause_line(first, error), first=error, rank=first.rank,
+        host=first.host, pid=first.pid, exit_code=first.returncode, elapsed_s=round(first.elapsed_s, 3),
+        stderr_log=str(rd.rank_log(first.rank, "err").relative_to(rd.path)),
+        stderr_tail=tail_lines(rd.rank_log(first.rank, "err")), error_record=error, **common,
+    )
+
+
+def format_failure(result: LaunchResult) -> str:
+    """The human report of a failed launch, root cause first (several lines)."""
+    doc = failure_record(result)
+    lines = [f"error: {doc['summary']}"]
+    if doc.get("stderr_tail"):
+        err_log = Path(result.run_dir) / doc["stderr_log"]
+        lines.append(f"--- last lines of {err_log} ---")
+        lines += [f"  {line}" for line in doc["stderr_tail"]]
+        lines.append("---")
+    others = [e for e in result.exits if e is not result.first_failure]
+    for e in others:
+        lines.append(f"rank {e.rank} on {e.host}: {e.how}" + (" (stopped by the launcher)" if e.stopped else ""))
+    if result.stop_s is not None:
+        lines.append(f"all ranks gone {result.stop_s:.1f} s after the first failure")
+    lines.append(f"failure record: {RunDir(result.run_dir).failure}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the launcher
+class _Interrupted(Exception):
+    """SIGTERM/SIGINT reached the launcher."""
+
+
+def launch(
+    run_dir: Path | str,
+    nproc: int,
+    nodes: int = 1,
+    *,
+    threads: int | None = None,
+    command: Sequence[str] | None = None,
+    job_name: str = "cyclone",
+    grace_s: float = GRACE_S,
+    timeout_s: float | None = None,
+    echo: IO[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
+) -> LaunchResult:
+    """Start ``nproc`` ranks over ``nodes`` pretend nodes of this host and wait for them.
+
+    Args:
+        run_dir: the run directory (holds ``spec.json``; gets ``logs/``, ``launch.json`` and, on
+            failure, ``failure.json``).
+        nproc: total ranks.
+        nodes: pretend nodes (``nproc`` must be a multiple).
+        threads: torch threads per rank (default: the cores shared evenly, at least 1).
+        command: what each rank runs (default: ``python -m cyclone_kit.runtime --run-dir DIR``).
+        job_name: SLURM_JOB_NAME.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
+        timeout_s: stop every rank after this many seconds (treated as an interrupt).
+        echo: a stream that receives rank 0's stdout as it is written (None: silent).
+        environ: the base environment (default ``os.environ``; an enclosing launcher's
+            variables are removed).
+        extra_env: variables set for every rank on top (e.g. ``CUDA_VISIBLE_DEVICES=""`` for CPU only).
+        on_start: called with the rank processes once all are started.
+
+    Returns:
+        The :class:`LaunchResult`; ``failure.json`` is written when it is not ok.
+    """
+    run_dir = Path(run_dir).absolute()
+    rd = RunDir(run_dir)
+    logs = rd.logs
+    logs.mkdir(parents=True, exist_ok=True)
+    threads = threads or threads_per_rank(nproc, available_cores())
+    job_id = new_job_id()
+    base = os.environ if environ is None else environ
+    envs = rank_environments(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads,
+                             run_dir=run_dir, job_name=job_name, base=base)
+    envs = [{**env, **(extra_env or {})} for env in envs]
+    slices = gpu_slices(visible_gpus({**base, **(extra_env or {})}), nproc, nodes)
+    if slices is not None:  # each pretend node its own GPUs
+        envs = [{**env, "CUDA_VISIBLE_DEVICES": slices[int(env["SLURM_NODEID"])]} for env in envs]
+    argv = list(command) if command else [sys.executable, *trainer_words(run_dir)]
+
+    procs: list[subprocess.Popen[bytes]] = []
+    files: list[IO[bytes]] = []
+    exits: dict[int, RankExit] = {}
+    stopping: set[int] = set()
+    events: queue.Queue[tuple[int, int, float]] = queue.Queue()
+    started = time.monotonic()
+    first_failure: RankExit | None = None
+    interrupted = False
+    stop_began: float | None = None
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise _Interrupted(signal.Signals(signum).name)
+
+    def forward(signum: int, frame: object) -> None:
+        # Like srun: the requeue/checkpoint signals go to every rank, which stop cleanly on their own.
+        for rank, proc in enumerate(procs):
+            if rank not in exits:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, forward)
+    follower = _Follower(rd.rank_log(0), echo) if echo is not None else None
+    try:
+        try:
+            for rank, env in enumerate(envs):
+                out = open(rd.rank_log(rank, "out"), "ab")  # noqa: SIM115 (closed in finally)
+                err = open(rd.rank_log(rank, "err"), "ab")  # noqa: SIM115
+                files += [out, err]
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                        start_new_session=True)
+                procs.append(proc)
+                threading.Thread(target=_reap, args=(rank, proc, events), daemon=True).start()
+            _write_launch_record(run_dir, job_id, procs, envs, threads, argv)
+            if on_start is not None:
+                on_start(procs)
+            deadline = None if timeout_s is None else started + timeout_s
+            while len(exits) < len(procs):
+                if follower is not None:
+                    follower.pump()
+                try:
+                    rank, code, when = events.get(timeout=0.1)
+                except queue.Empty:
+                    if deadline is not None and time.monotonic() > deadline and not interrupted:
+                        interrupted = True
+                        stop_began = time.monotonic()
+                        stopping.update(r for r in range(len(procs)) if r not in exits)
+                        _terminate(procs, stopping, exits)
+                    elif stop_began is not None and time.monotonic() - stop_began > grace_s:
+                        _kill(procs, exits)
+                    continue
+                exit_ = RankExit(rank, envs[rank]["SLURMD_NODENAME"], procs[rank].pid, code, when - started,
+                                 stopped=rank in stopping)
+                exits[rank] = exit_
+                if exit_.failed and first_failure is None and not interrupted:
+                    first_failure = exit_
+                    stop_began = time.monotonic()
+                    stopping.update(r for r in range(len(procs)) if r not in exits)
+                    _terminate(procs, stopping, exits)
+        except (_Interrupted, KeyboardInterrupt):
+            interrupted = True
+            stop_began = stop_began or time.monotonic()
+            # Ignore further Ctrl-C while the ranks are being stopped: a second one must not orphan them.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if sig in previous:
+                    signal.signal(sig, signal.SIG_IGN)
+            stopping.update(r for r in range(len(procs)) if r not in exits)
+            _terminate(procs, stopping, exits)
+            _drain(procs, events, exits, envs, stopping, started, grace_s)
+    finally:
+        # Whatever happened: no rank, and nothing a rank started in its group, outlives the launcher.
+        for rank, proc in enumerate(procs):
+            if rank not in exits:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                exits[rank] = RankExit(rank, envs[rank]["SLURMD_NODENAME"], proc.pid, proc.returncode,
+                                       time.monotonic() - started, stopped=True)
+        _kill_leftovers(procs)
+        if follower is not None:
+            follower.pump()
+            follower.close()
+        for f in files:
+            f.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    ended = time.monotonic()
+    result = LaunchResult(
+        job_id=job_id,
+        run_dir=run_dir,
+        exits=tuple(exits[r] for r in sorted(exits)),
+        first_failure=first_failure,
+        interrupted=interrupted,
+        wall_time_s=ended - started,
+        stop_s=None if stop_began is None else max(e.elapsed_s for e in exits.values()) - (stop_began - started),
+    )
+    if not result.ok:
+        failures.write_failure(run_dir, failure_record(result))
+    return result
+
+
+def _reap(rank: int, proc: subprocess.Popen[bytes], events: queue.Queue[tuple[int, int, float]]) -> None:
+    """Wait for one rank and post (rank, status, time) the moment it exits (exact exit order)."""
+    code = proc.wait()
+    events.put((rank, code, time.monotonic()))
+
+
+def _terminate(procs: Sequence[subprocess.Popen[bytes]], ranks: set[int], exits: Mapping[int, RankExit]) -> None:
+    """SIGTERM the process group of every listed rank that is still running."""
+    for rank in sorted(ranks):
+        if rank not in exits:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(procs[rank].pid, signal.SIGTERM)
+
+
+def _kill(procs: Sequence[subprocess.Popen[bytes]], exits: Mapping[int, RankExit]) -> None:
+    """SIGKILL the process group of every rank still running."""
+    for rank, proc in enumerate(procs):
+        if rank not in exits:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _drain(
+    procs: Sequence[subprocess.Popen[bytes]],
+    events: queue.Queue[tuple[int, int, float]],
+    exits: dict[int, RankExit],
+    envs: Sequence[Mapping[str, str]],
+    stopping: set[int],
+    started: float,
+    grace_s: float,
+) -> None:
+    """Collect exits after an interrupt: SIGTERM was sent; SIGKILL once ``grace_s`` has passed."""
+    deadline = time.monotonic() + grace_s
+    killed = False
+    while len(exits) < len(procs):
+        try:
+            rank, code, when = events.get(timeout=0.1)
+        except queue.Empty:
+            if not killed and time.monotonic() > deadline:
+                _kill(procs, exits)
+                killed = True
+            continue
+        exits[rank] = RankExit(rank, envs[rank]["SLURMD_NODENAME"], procs[rank].pid, code, when - started,
+                               stopped=rank in stopping)
+
+
+def _kill_leftovers(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL whatever is left in the ranks' process groups (e.g. data-loader workers)."""
+    groups = {p.pid for p in procs}
+    for pid, pgid in _process_groups():
+        if pgid in groups and pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _process_groups() -> list[tuple[int, int]]:
+    """(pid, process group) of every process, from /proc ([] where /proc is missing)."""
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[0] != "Z":
+            out.append((int(entry.name), int(fields[2])))
+    return out
+
+
+def _write_launch_record(
+    run_dir: Path,
+    job_id: str,
+    procs: Sequence[subprocess.Popen[bytes]],
+    envs: Sequence[Mapping[str, str]],
+    threads: int,
+    argv: Sequence[str],
+) -> None:
+    """``launch.json``: the fake job id and every rank's pid and host (for ``status`` and for tests)."""
+    doc = {
+        "schema": 1,
+        "kind": "launch",
+        "launcher": "local",
+        "job_id": job_id,
+        "nodelist": envs[0]["SLURM_JOB_NODELIST"],
+        "master": f"{envs[0]['MASTER_ADDR']}:{envs[0]['MASTER_PORT']}",
+        "threads_per_rank": threads,
+        "command": list(argv),
+        "ranks": [{"rank": r, "pid": p.pid, "host": envs[r]["SLURMD_NODENAME"]} for r, p in enumerate(procs)],
+    }
+    RunDir(run_dir).write_launch(doc)
+
+
+class _Follower:
+    """Copies what a rank appends to its log onto a stream (rank 0's output on the terminal)."""
+
+    def __init__(self, path: Path, stream: IO[str]) -> None:
+        self.path = path
+        self.stream = stream
+        self.handle: IO[bytes] | None = None
+
+    def pump(self) -> None:
+        if self.handle is None:
+            try:
+                self.handle = open(self.path, "rb")  # noqa: SIM115 (closed in close())
+            except OSError:
+                return
+        data = self.handle.read()
+        if data:
+            with contextlib.suppress(OSError, ValueError):
+                self.stream.write(data.decode("utf-8", errors="replace"))
+                self.stream.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
