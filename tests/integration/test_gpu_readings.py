@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ranks import RANK_TIMEOUT_S, clean_env, run_ranks
+from tests.helpers.child_ranks import RANK_TIMEOUT_S, child_env, run_child_ranks
 
 #: Hang guard of the compile run (not a performance bound): a cold torch.compile of TinyCNN under FSDP
 #: takes ~30-60 s per rank on a quiet 2-core machine, several minutes at a load of 40.
@@ -73,7 +73,7 @@ def test_horovod_trains_with_channels_last_inputs_where_channels_last_weights_fa
     child = tmp_path / "child.py"
     child.write_text(HVD_CHANNELS_LAST)
     horovodrun = str(Path(sys.executable).parent / "horovodrun")
-    env = clean_env(HOROVOD_GLOO_TIMEOUT_SECONDS="120")
+    env = child_env(HOROVOD_GLOO_TIMEOUT_SECONDS="120")
     results = {}
     for mode in ("old", "new"):
         cmd = [sys.executable, horovodrun, "--gloo", "--start-timeout", "120", "-np", "2", "-H", "localhost:2",
@@ -135,7 +135,7 @@ def test_fsdp2_computes_in_bf16_and_keeps_fp32_shards(tmp_path: Path) -> None:
     """Likely item: FSDP2 gets a MixedPrecisionPolicy (bf16 here; fp16 below cc 8.0 on CUDA), so the
     unsharded parameters (and the all-gathers and reduce-scatters) are bf16 while the shards and
     the optimizer stay fp32 (fp32 runs keep no policy: tests/unit). Fused SGD is refused by DTensor."""
-    run_ranks(FSDP_MIXED, 2, "bf16", str(tmp_path / "r"))
+    run_child_ranks(FSDP_MIXED, 2, "bf16", str(tmp_path / "r"))
     for r in (json.loads((tmp_path / f"r-{k}.json").read_text()) for k in range(2)):
         assert r["forward"] == ["torch.bfloat16"] and r["sharded"] == ["torch.float32"], r
         assert all(loss == loss for loss in r["losses"]), r  # finite training
@@ -168,7 +168,7 @@ def test_log_step_stops_the_window_clock_after_the_loss_sync(tmp_path: Path) -> 
     instead of >= 0.15 s per step here) and every later one carried its predecessor's wait."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(LOG_STEP_BEHIND))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True,
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=child_env(), capture_output=True,
                           text=True, timeout=RANK_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()

@@ -1,4 +1,4 @@
-"""Real gloo ranks for tests: free ports, a clean rank environment, N ranks of a child script."""
+"""N real gloo ranks of a small child script (``python -c SCRIPT RANK PORT ...``) and their environment."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def clean_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher's variables, one thread, no GPU, plus ``extra``."""
     drop = ("SLURM_", "OMPI_", "PMI_", "SUBMITIT_", "TORCHELASTIC_", "HOROVOD_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)
@@ -27,10 +27,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
-def run_ranks(script: str, world: int, *args: str, env: Mapping[str, str] | None = None) -> list[str]:
+def run_child_ranks(script: str, world: int, *args: str, env: Mapping[str, str] | None = None) -> list[str]:
     """Run ``python -c script RANK PORT *args`` as ``world`` ranks; their stdouts (each must exit 0)."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(port), *args], env=dict(env or clean_env()),
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(port), *args], env=dict(env or child_env()),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     outs = []
     try:
