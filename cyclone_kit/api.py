@@ -173,7 +173,7 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, **i
         raise ApiUsageError(f"ck.init(log_every={log_every!r}) must be a positive int", hint="e.g. log_every=10")
     t_start = time.perf_counter()
     environ = os.environ
-    from cyclone_kit.spec.job import CheckpointConfig
+    from cyclone_kit.config.job import CheckpointConfig
 
     given = run_dir if run_dir is not None else environ.get("CYCLONE_RUN_DIR") or None
     folder = Path(given).absolute() if given else None
@@ -360,8 +360,8 @@ def _env_log_every(environ: Mapping[str, str]) -> int | None:
 
 def _spec_settings(run_dir: Path) -> tuple[Any, int | None]:
     """(``[checkpoint]`` as a CheckpointConfig, ``train.log_every`` or None) from ``run_dir/spec.json``."""
+    from cyclone_kit.config.job import CheckpointConfig, spec_from_dict
     from cyclone_kit.rundir.layout import RunDir
-    from cyclone_kit.spec.job import CheckpointConfig, spec_from_dict
 
     path = RunDir(run_dir).spec
     if not path.is_file():

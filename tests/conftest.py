@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120,
-            input: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m cyclone_kit ARGS`` as a user would; returns the completed process."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "cyclone_kit", *args], cwd=cwd or REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout, input=input)
+from tests.helpers.cli import run_cli
 
 
 @pytest.fixture

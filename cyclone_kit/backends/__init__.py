@@ -30,7 +30,7 @@ def check_backend_name(name: str) -> str:
         ValidationError: no such backend (with the closest name, when one is close).
     """
     if name not in BACKENDS:
-        from cyclone_kit.spec.toolbox import did_you_mean
+        from cyclone_kit.config.toolbox import did_you_mean
 
         raise ValidationError(f"unknown backend {name!r}",
                               hint=did_you_mean([name], list(BACKENDS)) + f"use one of: {', '.join(BACKENDS)}")

@@ -111,9 +111,9 @@ def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None)
     Raises:
         ValidationError: ``nproc`` does not split evenly over ``nodes``.
     """
+    from cyclone_kit.config.profile import ClusterProfile, Partition
+    from cyclone_kit.config.validate import ResolvedJob
     from cyclone_kit.slurm.walltime import parse_time
-    from cyclone_kit.spec.profile import ClusterProfile, Partition
-    from cyclone_kit.spec.validate import ResolvedJob
 
     if nproc < 1 or nodes < 1 or nproc % nodes:
         rank_environments(nproc, nodes, job_id="0", master_port=0, threads=1, run_dir=".")  # raises the error

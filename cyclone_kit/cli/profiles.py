@@ -15,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the profile list or one profile's partitions."""
-    from cyclone_kit.spec.profile import load_profile, profile_names
+    from cyclone_kit.config.profile import load_profile, profile_names
 
     if not args.name:
         for name in profile_names():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``run``."""
-    from cyclone_kit.spec.jobspec import add_job_arguments
+    from cyclone_kit.config.jobspec import add_job_arguments
 
     p = sub.add_parser(
         "run",
@@ -44,11 +44,11 @@ def run(args: argparse.Namespace) -> int:
     from cyclone_kit.backends.local import LocalBackend, local_job
     from cyclone_kit.backends.local_env import gpu_slices, visible_gpus
     from cyclone_kit.backends.srun_emulator import format_failure, launch
+    from cyclone_kit.config.job import load_spec, spec_from_dict, spec_to_dict
+    from cyclone_kit.config.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.rundir.entry import rank_argv
     from cyclone_kit.rundir.layout import RunDir
-    from cyclone_kit.spec.job import load_spec, spec_from_dict, spec_to_dict
-    from cyclone_kit.spec.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
 
     for flag in ("nproc", "nodes", "threads"):
         value = getattr(args, flag)

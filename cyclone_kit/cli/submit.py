@@ -11,7 +11,7 @@ from cyclone_kit.core.errors import ValidationError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``submit``."""
-    from cyclone_kit.spec.jobspec import add_job_arguments
+    from cyclone_kit.config.jobspec import add_job_arguments
 
     p = sub.add_parser("submit", help="render and submit a training job (sbatch, submitit or local)",
                        description="Validate a job spec against a cluster profile, render its sbatch script "
@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Submit (or print) the job; prints the job id and run directory."""
     from cyclone_kit.backends import check_backend_name
+    from cyclone_kit.config.jobspec import check_backend, job_from_args
     from cyclone_kit.rundir.layout import run_dir_name
-    from cyclone_kit.spec.jobspec import check_backend, job_from_args
     from cyclone_kit.submit.render import render_script
 
     check_backend_name(args.backend)  # a dry run is a rehearsal of the real submit: same refusals

@@ -21,7 +21,7 @@ BACKENDS = ("slurm", "submitit", "local")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``sweep``."""
-    from cyclone_kit.spec.jobspec import add_data_check_argument
+    from cyclone_kit.config.jobspec import add_data_check_argument
 
     p = sub.add_parser(
         "sweep",
@@ -55,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
     """Plan, create, run or submit (:mod:`cyclone_kit.submit.study`), print; returns 0, or 1 when a point failed."""
     import dataclasses
 
+    from cyclone_kit.config.jobspec import check_data_dir
+    from cyclone_kit.config.profile import load_profile
+    from cyclone_kit.config.sweep import load_sweep
     from cyclone_kit.core.errors import ValidationError
-    from cyclone_kit.spec.jobspec import check_data_dir
-    from cyclone_kit.spec.profile import load_profile
-    from cyclone_kit.spec.sweep import load_sweep
     from cyclone_kit.submit import study as lib
 
     flags = [(key, getattr(args, dest)) for dest, key in (
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_data_check:
         check_data_dir(sweep.base)
     if sweep.base.script is not None:  # the script exists and compiles; its hash goes into every point
-        from cyclone_kit.spec.jobspec import check_backend, checked_spec
+        from cyclone_kit.config.jobspec import check_backend, checked_spec
 
         check_backend(sweep.base, args.backend)
         sweep = dataclasses.replace(sweep, base=checked_spec(sweep.base)[0])

@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cyclone_kit.config.validate import ResolvedJob
 from cyclone_kit.slurm import hostlist
 from cyclone_kit.slurm.cluster import Association, NodeInfo, PartitionInfo, accounts_of
 from cyclone_kit.slurm.walltime import format_time
-from cyclone_kit.spec.validate import ResolvedJob
 
 #: the share by which the profile's memory_gb may differ from the nodes' RealMemory.
 MEMORY_TOLERANCE = 0.10

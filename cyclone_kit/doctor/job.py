@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cyclone_kit.config.job import CheckpointConfig, JobSpec, Resources
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.validate import ResolvedJob, resolve
 from cyclone_kit.core.errors import CommandError, CycloneError
 from cyclone_kit.doctor.checks import Check, HostVersions, ModuleFacts, SmokeResult
-from cyclone_kit.spec.job import CheckpointConfig, JobSpec, Resources
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.validate import ResolvedJob, resolve
 
 #: the smoke job's name (``--job-name``) and the prefix of its run directory.
 JOB_NAME = "ck-doctor"

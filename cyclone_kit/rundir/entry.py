@@ -38,7 +38,7 @@ def shim_words(run_dir: Path | str | None, target: Sequence[str], *, horovod: bo
 
 
 def script_target(script: Any) -> list[str]:
-    """``[SCRIPT, ARGS...]`` or ``[-m, MODULE, ARGS...]`` of a :class:`~cyclone_kit.spec.job.ScriptConfig`."""
+    """``[SCRIPT, ARGS...]`` or ``[-m, MODULE, ARGS...]`` of a :class:`~cyclone_kit.config.job.ScriptConfig`."""
     return [*(["-m", script.module] if script.module else [script.path]), *script.args]
 
 

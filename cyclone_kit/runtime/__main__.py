@@ -36,11 +36,11 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         CycloneError: invalid spec, environment or data (one line with a HINT).
         Exception: any training failure. In both cases the rank's error record is written first.
     """
+    from cyclone_kit.config.job import load_spec
     from cyclone_kit.rundir.failures import rank_guess
     from cyclone_kit.rundir.layout import RunDir
     from cyclone_kit.runtime.env import detect
     from cyclone_kit.runtime.signals import catch_stop_signals
-    from cyclone_kit.spec.job import load_spec
 
     environ = os.environ
     run_dir = Path(run_dir)

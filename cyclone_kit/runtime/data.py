@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.spec.job import TrainConfig
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from cyclone_kit.config.job import JobSpec
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.signals import StopFlag
-from cyclone_kit.spec.job import JobSpec
 
 #: Strategies with a loop of their own (everything else is a plug-in of runtime/train.py).
 OWN_LOOPS = ("pipeline",)

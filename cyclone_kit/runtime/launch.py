@@ -140,7 +140,7 @@ def torchrun_variables(env: Any) -> dict[str, str]:
 
 def shim_command(script: Any, run_dir: Path | str, *, python: str | None = None,
                  horovod: bool = False) -> list[str]:
-    """The argv a rank runs for ``script`` (a :class:`~cyclone_kit.spec.job.ScriptConfig`; pure)."""
+    """The argv a rank runs for ``script`` (a :class:`~cyclone_kit.config.job.ScriptConfig`; pure)."""
     from cyclone_kit.rundir.entry import script_target, shim_words
 
     return [python or sys.executable, *shim_words(run_dir, script_target(script), horovod=horovod)]
@@ -230,7 +230,7 @@ def _load_spec(run_dir: Path | None) -> Any:
     if run_dir is None or not RunDir(run_dir).is_run_dir():
         return None
     try:
-        from cyclone_kit.spec.job import load_spec
+        from cyclone_kit.config.job import load_spec
 
         return load_spec(RunDir(run_dir).spec)
     except Exception:  # the spec is a record here, not an input: a script runs without it
@@ -255,7 +255,7 @@ def _check_hash(shim: ShimArgs, spec: Any) -> None:
     if not expected or shim.script is None:
         return
     try:
-        from cyclone_kit.spec.script import sha256_hex
+        from cyclone_kit.config.script import sha256_hex
 
         actual = sha256_hex(Path(shim.script).read_bytes())
     except OSError:

@@ -1,6 +1,6 @@
 """Models by name: torchvision architectures (random init, never downloaded) and a tiny CNN.
 
-Every name in :data:`cyclone_kit.spec.job.MODELS` builds here. ResNets get the small-image stem
+Every name in :data:`cyclone_kit.config.job.MODELS` builds here. ResNets get the small-image stem
 (3x3 stride-1 first convolution, no max-pool) for inputs of 64 px or less, as is usual for
 CIFAR-sized images; a first layer is rebuilt when the data has other than 3 channels.
 """
@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from cyclone_kit.config.job import MODELS
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import MODELS
 
 #: Inputs at or below this size get the small-image stem on ResNets.
 SMALL_IMAGE_PX = 64

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cyclone_kit.config.job import JobSpec
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
@@ -45,7 +46,6 @@ from cyclone_kit.runtime.models import TinyCNN, build_model
 from cyclone_kit.runtime.plan import begin_segment, lr_factor, make_plan, resolve_precision, seed_everything
 from cyclone_kit.runtime.session import Session, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
-from cyclone_kit.spec.job import JobSpec
 
 
 # --------------------------------------------------------------------------- the split

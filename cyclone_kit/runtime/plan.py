@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.session import Session
-from cyclone_kit.spec.job import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.config.job import CheckpointConfig
 from cyclone_kit.core.errors import CommandError, ValidationError
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, catch_stop_signals, requeue, should_requeue, under_slurm
-from cyclone_kit.spec.job import CheckpointConfig
 
 
 @dataclass

@@ -31,7 +31,7 @@ NONE, STOP, REQUEUE = 0, 1, 2
 
 
 def signal_number(name: str) -> int:
-    """``"USR2"`` -> ``signal.SIGUSR2`` (names as in :data:`cyclone_kit.spec.job.SIGNALS`)."""
+    """``"USR2"`` -> ``signal.SIGUSR2`` (names as in :data:`cyclone_kit.config.job.SIGNALS`)."""
     return int(getattr(signal, f"SIG{name}"))
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cyclone_kit.config.job import JobSpec, TrainConfig
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
@@ -44,7 +45,6 @@ from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.plan import Plan, begin_segment, lr_factor, make_plan, resolve_precision, seed_everything
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
-from cyclone_kit.spec.job import JobSpec, TrainConfig
 
 __all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "fsdp_mixed_precision", "gather_hosts", "gather_to_main",
            "keep_kernel_choice", "make_optimizer", "optimizer_step", "place_model", "strategy_for", "train", "unwrap",

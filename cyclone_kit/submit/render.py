@@ -18,13 +18,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.config.validate import ResolvedJob
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.core.malloc import GLIBC_TUNABLES
 from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN  # the templates' MASTER_PORT range (cyclone_kit.core.ports)
 from cyclone_kit.core.version import __version__
 from cyclone_kit.rundir.entry import rank_words
 from cyclone_kit.rundir.layout import RunDir, StudyDir
-from cyclone_kit.spec.validate import ResolvedJob
 
 _SAFE_HEADER = re.compile(r"^[A-Za-z0-9_./:@%+,=-]+$")
 

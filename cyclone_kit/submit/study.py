@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from cyclone_kit.backends import get_backend
+from cyclone_kit.config.profile import ClusterProfile, load_profile
+from cyclone_kit.config.sweep import SweepRun, SweepSpec, expand, sweep_record
 from cyclone_kit.core.errors import CycloneError, ValidationError
 from cyclone_kit.rundir.fileio import write_atomic
 from cyclone_kit.rundir.layout import StudyDir, create_run_dir, remove_run_dir, run_dir_name
-from cyclone_kit.spec.profile import ClusterProfile, load_profile
-from cyclone_kit.spec.sweep import SweepRun, SweepSpec, expand, sweep_record
 from cyclone_kit.submit.render import render_report_script as report_script
 
 BACKENDS = ("slurm", "submitit", "local")
@@ -104,7 +104,7 @@ def create_study(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_
     Raises:
         ValidationError: a value cannot be rendered, or ``runs_dir`` is not writable.
     """
-    from cyclone_kit.spec.jobspec import script_files, spec_json
+    from cyclone_kit.config.jobspec import script_files, spec_json
     from cyclone_kit.submit.render import render_script
 
     runs_dir = Path(runs_dir).absolute()

@@ -5,22 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from cyclone_kit.backends import get_backend
+from cyclone_kit.config.validate import ResolvedJob
 from cyclone_kit.core.errors import RankFailure
-from cyclone_kit.rundir.layout import RunDir, remove_run_dir, run_dir_name
-from cyclone_kit.spec.validate import ResolvedJob
+from cyclone_kit.rundir.layout import RunDir, remove_run_dir
 from cyclone_kit.submit.render import render_script
 
 
 def prepare_run_dir(job: ResolvedJob, runs_dir: Path, extra_files: dict[str, str] | None = None) -> Path:
     """Write ``job.sbatch`` and ``spec.json`` (and a user script's copy) into a new run directory, all or nothing."""
-    from cyclone_kit.spec.jobspec import script_files, spec_json
+    from cyclone_kit.config.jobspec import script_files, spec_json
 
     runs_dir = Path(runs_dir).absolute()
-    # Render first against a placeholder so a bad value fails before anything is created,
-    # then render for real once the final directory name is known.
-    render_script(job, runs_dir / run_dir_name(job.spec.name))
     rd = RunDir.create(runs_dir, job.spec.name, spec_json(job), {**script_files(job.spec), **(extra_files or {})})
-    try:
+    try:  # rendered once, for the directory's final name; a bad value leaves no directory behind
         rd.write_script(render_script(job, rd.path))
     except BaseException:
         remove_run_dir(rd.path)

@@ -1,1 +1,0 @@
-"""Helpers shared by test modules (test modules import these, never each other)."""

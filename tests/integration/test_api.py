@@ -28,7 +28,7 @@ import pytest
 
 from cyclone_kit.backends.local_env import clean_environment
 from cyclone_kit.runtime import checkpoint as ckpt
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 

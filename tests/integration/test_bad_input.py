@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 SMOKE = str(REPO / "jobs" / "smoke.toml")
 SWEEP = f"[sweep]\nname = 's'\nmode = 'strong'\nbase = '{SMOKE}'\n"

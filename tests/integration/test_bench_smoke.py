@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 pytestmark = pytest.mark.slow
 

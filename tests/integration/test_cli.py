@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 HEAVY = ("torch", "pandas", "matplotlib", "numpy", "submitit")
 

@@ -19,10 +19,10 @@ import pytest
 from cyclone_kit.analysis.ingest import load_runs
 from cyclone_kit.analysis.synthetic import SyntheticRun, run_records
 from cyclone_kit.backends.srun_emulator import launch
+from cyclone_kit.config.job import spec_from_dict, spec_to_dict
+from cyclone_kit.config.toolbox import read_toml
 from cyclone_kit.rundir import contract
 from cyclone_kit.rundir.layout import RunDir
-from cyclone_kit.spec.job import spec_from_dict, spec_to_dict
-from cyclone_kit.spec.toolbox import read_toml
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

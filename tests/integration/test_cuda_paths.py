@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_ddp import TIMEOUT_S, clean_env, free_port
+from tests.helpers.ranks import TIMEOUT_S, clean_env, free_port
 
 FSDP_CHILD = r"""
 import sys, datetime
 import torch, torch.distributed as dist
-from cyclone_kit.spec import TrainConfig
+from cyclone_kit.config import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.train import place_model, wrap_model
@@ -90,9 +90,9 @@ while not got:
 def _launch_lines(profile: str = "local") -> str:
     """The lines the torchrun template runs before its srun (exports), from a real render of a
     node with 2 GPUs (2 workers)."""
-    from cyclone_kit.spec.job import spec_from_dict
-    from cyclone_kit.spec.profile import load_profile
-    from cyclone_kit.spec.validate import resolve
+    from cyclone_kit.config.job import spec_from_dict
+    from cyclone_kit.config.profile import load_profile
+    from cyclone_kit.config.validate import resolve
     from cyclone_kit.submit.render import render_script
 
     spec = spec_from_dict({"name": "t", "resources": {"profile": profile, "partition": "gpu", "nodes": 1,
@@ -156,8 +156,9 @@ def test_imagefolder_run_with_workers_checkpoints_when_slurm_signals_every_proce
     import signal
 
     from cyclone_kit.backends.srun_emulator import LAUNCH_FILE
-    from tests.conftest import REPO
-    from tests.integration.test_signals import alive, records, wait_for
+    from tests.helpers.cli import REPO
+    from tests.helpers.ranks import alive, records
+    from tests.helpers.slurm_jobs import wait_for
 
     data = tmp_path / "data"
     _png_tree(data)
@@ -235,9 +236,9 @@ def test_horovod_fp16_allreduce_with_a_grad_scaler_updates_by_the_unscaled_mean_
     import json
     import os
 
-    from tests.integration.test_strategies import _horovod_missing
+    from tests.helpers.ranks import horovod_missing
 
-    missing = _horovod_missing()
+    missing = horovod_missing()
     if missing:
         pytest.skip(f"Horovod not importable: {missing}")
     child = tmp_path / "child.py"

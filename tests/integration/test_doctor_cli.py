@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 
 @pytest.mark.parametrize(("args", "message"), [

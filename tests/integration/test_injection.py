@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from cyclone_kit.config.job import spec_from_dict
+from cyclone_kit.config.profile import profile_from_dict
+from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import spec_from_dict
-from cyclone_kit.spec.profile import profile_from_dict
-from cyclone_kit.spec.validate import resolve
 from cyclone_kit.submit.render import render_script
 
 PAYLOADS = [
@@ -99,7 +99,7 @@ def test_payload_is_quoted_not_run(template, tmp_path, stubs):
 def test_unquotable_paths_are_refused(template, tmp_path):
     payload = template.format(canary=tmp_path / "CANARY")
     spec = spec_from_dict({"name": "hostile", "resources": {"profile": "local"}})
-    from cyclone_kit.spec.profile import load_profile
+    from cyclone_kit.config.profile import load_profile
 
     with pytest.raises(ValidationError) as e:
         render_script(resolve(spec, load_profile("local")), tmp_path / payload)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.backends.srun_emulator import FAILURE_FILE, LAUNCH_FILE, launch
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 SMOKE = REPO / "jobs" / "smoke.toml"
 #: Hang guard (not a performance bound): seconds to wait for an event that takes ~5-20 s here (>= 10x).
@@ -265,7 +265,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     (["--threads", "0"], "--threads=0 must be at least 1"),
 ])
 def test_run_refuses_bad_layouts_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     result = run_cli("run", str(SMOKE), "--runs-dir", str(tmp_path / "runs"), *args)
     assert result.returncode == 2

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit.spec.script import sha256_hex
-from tests.conftest import REPO, run_cli
+from cyclone_kit.config.script import sha256_hex
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 

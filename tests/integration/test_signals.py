@@ -32,7 +32,8 @@ from cyclone_kit.backends.srun_emulator import LAUNCH_FILE, launch
 from cyclone_kit.rundir.failures import root_cause
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.runtime import watchdog
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
+from tests.helpers.ranks import alive
 
 pytestmark = pytest.mark.slow
 
@@ -80,12 +81,6 @@ def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in records(run_dir, "step")), default=0)
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class LocalRun:

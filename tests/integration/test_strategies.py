@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cyclone_kit.runtime import checkpoint as ck
-from tests.integration.test_ddp import final_params, finish, records, run_ranks, start_ranks, write_spec
+from tests.helpers.ranks import final_params, finish, horovod_missing, records, run_ranks, start_ranks, write_spec
 
 #: Hang guard (not a performance bound) for the module's reference runs: 6 ranks at once on 2 cores
 #: took 51 s on this machine under load (~9); >= 10x an idle run.
@@ -149,7 +149,7 @@ def test_pipelined_outputs_and_gradients_match_the_unsplit_model(model: str, mic
     import sys
 
     from cyclone_kit.runtime.models import build_model
-    from tests.integration.test_ddp import TIMEOUT_S, clean_env, free_port
+    from tests.helpers.ranks import TIMEOUT_S, clean_env, free_port
 
     port = free_port()
     outs = [tmp_path / f"stage{r}.pt" for r in range(2)]
@@ -240,13 +240,6 @@ def test_one_report_over_ddp_fsdp_and_pipeline_runs_groups_them_by_strategy(runs
 
 
 # ------------------------------------------------------------------------ Horovod (when built)
-def _horovod_missing() -> str | None:
-    try:
-        import horovod.torch  # noqa: F401
-    except Exception as exc:  # ImportError, or OSError from a broken extension
-        return (f"'import horovod.torch' failed ({type(exc).__name__}: {exc}); "
-                "build it with scripts/build-horovod.sh")
-    return None
 
 
 #: horovodrun's --start-timeout and HOROVOD_GLOO_TIMEOUT_SECONDS (hang guards, not performance bounds):
@@ -263,7 +256,7 @@ def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
     import sys
 
     from cyclone_kit.runtime.hvd import horovodrun_command
-    from tests.integration.test_ddp import REPO, clean_env
+    from tests.helpers.ranks import REPO, clean_env
 
     cmd = horovodrun_command(str(run_dir), np, python=sys.executable)
     cmd = [sys.executable, str(Path(sys.executable).parent / "horovodrun"), *cmd[1:2], "--start-timeout", str(HVD_START_S),
@@ -290,7 +283,7 @@ def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
 
 def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
     """horovodrun --gloo, 2 ranks x batch 32: the DDP losses; a copy of its step-10 checkpoint resumes."""
-    missing = _horovod_missing()
+    missing = horovod_missing()
     if missing:
         pytest.skip(f"Horovod not importable: {missing}")
     run = tmp_path / "horovod"
@@ -324,7 +317,7 @@ def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Pa
 def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[str, Path], tmp_path: Path) -> None:
     """2 ranks x 16 x 2 accumulated passes (backward_passes_per_step=2), fp16 gradient compression:
     the same global batch of 64, so the DDP losses up to fp16 rounding of the gradients."""
-    missing = _horovod_missing()
+    missing = horovod_missing()
     if missing:
         pytest.skip(f"Horovod not importable: {missing}")
     run = tmp_path / "horovod-fp16"
@@ -342,7 +335,7 @@ def test_horovod_ranks_from_another_launcher_meet_through_the_gloo_rendezvous(ru
                                                                                tmp_path: Path) -> None:
     """Two torchrun-style processes (no horovodrun, a Gloo-only Horovod): cyclone_kit runs Horovod's
     rendezvous itself, so they form one Horovod world of 2 and train like DDP (as srun's tasks do)."""
-    missing = _horovod_missing()
+    missing = horovod_missing()
     if missing:
         pytest.skip(f"Horovod not importable: {missing}")
     run = tmp_path / "hvd-torchrun-style"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 #: Hang guard (not a performance bound): the two-point study and its report take ~30 s here.
 HANG_S = 400

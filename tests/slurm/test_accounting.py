@@ -19,7 +19,7 @@ from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm import cluster, hostlist
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 pytestmark = pytest.mark.slurm
 

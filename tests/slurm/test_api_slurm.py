@@ -27,8 +27,8 @@ from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
-from tests.slurm.test_faults import cancel_quietly, parse_submit_output, read_records, wait_for
+from tests.helpers.cli import REPO, run_cli
+from tests.helpers.slurm_jobs import cancel_quietly, parse_submit_output, read_records, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm.accounting import accounting_disabled, parse_sacct_usage, sacct_usage_argv
 from cyclone_kit.slurm.parse import parse_scontrol_fields
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = [pytest.mark.slurm]
 

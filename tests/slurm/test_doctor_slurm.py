@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.core.proc import run_command
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slurm
 

@@ -7,28 +7,33 @@ are about real processes, not about what Slurm reports.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.rundir.failures import root_cause
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.slurm_jobs import (
+    cancel_quietly,
+    job_processes,
+    proc_info,
+    rank_pids,
+    read_records,
+    steps_logged,
+    submit_smoke,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-SMOKE = str(REPO / "jobs" / "smoke.toml")
 #: Hang guard for every wait in this file (not a performance bound): the slowest event, 4 ranks on
 #: 2 nodes reaching their first steps, takes ~15-25 s on a 2-core machine; this leaves >= 10x.
 HANG_S = 300.0
@@ -43,99 +48,22 @@ PG_TIMEOUT_NEVER_S = 3600
 
 # --------------------------------------------------------------------------- helpers (also used by
 # test_requeue.py and tests/integration/test_concurrency.py)
-def submit_smoke(runs_dir: Path, *args: str, sets: tuple[str, ...] = ()) -> tuple[str, Path]:
-    """``python -m cyclone_kit submit jobs/smoke.toml --profile local --partition cpu ARGS``; (job id, run dir)."""
-    argv = ["submit", SMOKE, "--profile", "local", "--partition", "cpu", "--runs-dir", str(runs_dir), *args]
-    for item in sets:
-        argv += ["--set", item]
-    result = run_cli(*argv, timeout=HANG_S)
-    assert result.returncode == 0, result.stderr
-    return parse_submit_output(result.stdout)
 
 
-def parse_submit_output(stdout: str) -> tuple[str, Path]:
-    """(job id, run dir) from submit's "submitted job N" and "run dir: PATH" lines."""
-    job = re.search(r"^submitted job (\d+)$", stdout, re.M)
-    run_dir = re.search(r"^run dir: (.+)$", stdout, re.M)
-    assert job and run_dir, stdout
-    return job.group(1), Path(run_dir.group(1))
 
 
-def _proc_info(pid: int) -> tuple[list[bytes], list[str], int, str] | None:
-    """(environment entries, argv, parent pid, state) of a live process, or None."""
-    try:
-        base = Path("/proc") / str(pid)
-        environ = (base / "environ").read_bytes().split(b"\0")
-        argv = (base / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-        stat = (base / "stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return environ, argv, int(fields[1]), fields[0]
 
 
-def job_processes(job_id: str) -> dict[int, dict[str, Any]]:
-    """Live processes (not zombies) whose environment says SLURM_JOB_ID=<job_id>: pid -> info.
-
-    Info: ``procid`` (SLURM_PROCID or None), ``argv``, ``ppid``.
-    """
-    needle = f"SLURM_JOB_ID={job_id}".encode()
-    found: dict[int, dict[str, Any]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        info = _proc_info(int(entry.name))
-        if info is None or needle not in info[0] or info[3] == "Z":
-            continue
-        procid = next((e.split(b"=", 1)[1].decode() for e in info[0] if e.startswith(b"SLURM_PROCID=")), None)
-        found[int(entry.name)] = {"procid": procid, "argv": info[1], "ppid": info[2]}
-    return found
 
 
-def rank_pids(job_id: str) -> dict[int, int]:
-    """Rank -> pid of the process that trains (``-m cyclone_kit.runtime``; the innermost one when
-    a watchdog runs the rank as its child)."""
-    procs = job_processes(job_id)
-    trainers = {pid: p for pid, p in procs.items()
-                if p["procid"] is not None and "cyclone_kit.runtime" in p["argv"]
-                and p["argv"][p["argv"].index("cyclone_kit.runtime") - 1] == "-m"}
-    leaves = {pid: p for pid, p in trainers.items() if not any(q["ppid"] == pid for q in trainers.values())}
-    return {int(p["procid"]): pid for pid, p in leaves.items()}
 
 
-def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The complete lines of metrics.jsonl (a line being written is skipped)."""
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.1) -> Any:
-    """Poll until ``predicate()`` is truthy; return its value (fail after ``timeout`` s)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll)
 
 
-def steps_logged(run_dir: Path) -> int:
-    """The highest step number in metrics.jsonl so far (0 before the first step record)."""
-    return max((r["step"] for r in read_records(run_dir) if r.get("kind") == "step"), default=0)
 
 
-def cancel_quietly(backend: SlurmBackend, job_id: str) -> None:
-    """Cancel a job left running by a failed test (a finished job is left alone)."""
-    with contextlib.suppress(CycloneError):
-        backend.cancel(job_id)
 
 
 # --------------------------------------------------------------------------- rank failure
@@ -158,7 +86,7 @@ def test_sigkill_of_one_rank_fails_the_job_fast_with_the_root_cause(slurm_cluste
         others = [pid for rank, pid in ranks.items() if rank != 1]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
-        wait_for(lambda: not any(_proc_info(pid) and _proc_info(pid)[3] != "Z" for pid in others),  # type: ignore[index]
+        wait_for(lambda: not any(proc_info(pid) and proc_info(pid)[3] != "Z" for pid in others),  # type: ignore[index]
                  HANG_S, "the other ranks to exit", poll=0.05)
         exit_s = time.monotonic() - killed_at
         print(f"job {job_id}: rank 1 (pid {victim}) SIGKILLed at step ~{steps_logged(run_dir)}; "
@@ -206,7 +134,7 @@ def test_cancel_stops_a_running_two_node_training_job(slurm_cluster: dict[str, s
     try:
         wait_for(lambda: steps_logged(run_dir) >= 5, HANG_S, "training to start")
         ranks = wait_for(lambda: (r := rank_pids(job_id)) and len(r) == 4 and r, HANG_S, "4 rank processes")
-        hosts = {r: dict(e.split(b"=", 1) for e in _proc_info(pid)[0] if b"=" in e).get(b"SLURMD_NODENAME")  # type: ignore[index]
+        hosts = {r: dict(e.split(b"=", 1) for e in proc_info(pid)[0] if b"=" in e).get(b"SLURMD_NODENAME")  # type: ignore[index]
                  for r, pid in ranks.items()}
         assert hosts == {0: b"c1", 1: b"c1", 2: b"c2", 3: b"c2"}, hosts
         started = time.monotonic()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 SCRIPT = REPO / "scripts" / "local-slurm.sh"
 NODES = ("c1", "c2", "g1", "g2")

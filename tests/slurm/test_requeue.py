@@ -30,7 +30,7 @@ from cyclone_kit.core.proc import run_command
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.slurm.parse import parse_scontrol_job, select_job
 from cyclone_kit.slurm.states import JobState
-from tests.slurm.test_faults import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
+from tests.helpers.slurm_jobs import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
-from tests.slurm.test_faults import cancel_quietly, job_processes, parse_submit_output
+from tests.helpers.cli import REPO, run_cli
+from tests.helpers.slurm_jobs import cancel_quietly, job_processes, parse_submit_output
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -19,8 +19,8 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
-from tests.slurm.test_faults import cancel_quietly, steps_logged, submit_smoke, wait_for
+from tests.helpers.cli import REPO, run_cli
+from tests.helpers.slurm_jobs import cancel_quietly, steps_logged, submit_smoke, wait_for
 
 #: hang guards only (a broken job or cluster); every wait is for an event
 HANG_S = 600

@@ -14,7 +14,7 @@ import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.slurm.states import JobState
-from tests.slurm.test_faults import cancel_quietly, read_records, submit_smoke
+from tests.helpers.slurm_jobs import cancel_quietly, read_records, submit_smoke
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 #: Hang guard (not a performance bound): each 12-step 2-node job takes ~15-25 s here, >= 10x.

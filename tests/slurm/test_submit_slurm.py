@@ -15,7 +15,7 @@ import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = [pytest.mark.slurm]
 #: Hang guard (not a performance bound): the 4-rank 10-step job takes ~15 s here, >= 10x.

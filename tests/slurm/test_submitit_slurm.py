@@ -10,7 +10,7 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.backends.submitit_ import SubmititBackend
 from cyclone_kit.slurm.states import JobState
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 #: Hang guard (not a performance bound): the 4-rank 10-step job takes ~15-20 s here, >= 10x.
@@ -46,11 +46,11 @@ def test_submit_backend_submitit_runs_four_ranks_on_two_nodes(slurm_cluster: dic
 
 
 def test_dependency_is_passed_to_sbatch(submit, tmp_path: Path) -> None:
+    from cyclone_kit.config.job import load_spec
+    from cyclone_kit.config.jobspec import spec_json
+    from cyclone_kit.config.profile import load_profile
+    from cyclone_kit.config.validate import resolve
     from cyclone_kit.rundir.layout import create_run_dir
-    from cyclone_kit.spec.job import load_spec
-    from cyclone_kit.spec.jobspec import spec_json
-    from cyclone_kit.spec.profile import load_profile
-    from cyclone_kit.spec.validate import resolve
 
     job = resolve(load_spec(REPO / "jobs" / "smoke.toml"), load_profile("local"))
     run_dir = create_run_dir(tmp_path, "dep", {"spec.json": spec_json(job)})

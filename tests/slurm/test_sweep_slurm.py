@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from tests.conftest import REPO, run_cli
+from tests.helpers.cli import REPO, run_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 #: Hang guard (not a performance bound): a sweep of 3 serial jobs and the report job takes ~1 min

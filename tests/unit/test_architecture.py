@@ -1,6 +1,6 @@
 """The house's import rules, read from the code (ast; function-level imports included).
 
-The map (docs/ARCHITECTURE.md): the login side runs cli -> spec -> submit -> backends; a job's
+The map (docs/ARCHITECTURE.md): the login side runs cli -> config -> submit -> backends; a job's
 ranks run runtime/; rundir/ is the only contract between the halves; analysis/ reads run
 directories. core/ is the stdlib-only ground floor both halves stand on.
 """
@@ -22,17 +22,17 @@ MAY_IMPORT = {
     "core": set(),
     "rundir": {"core"},
     "slurm": {"core"},
-    "spec": {"core", "slurm", "rundir"},
-    "submit": {"core", "slurm", "spec", "rundir", "backends"},
-    "backends": {"core", "slurm", "spec", "rundir"},
+    "config": {"core", "slurm", "rundir"},
+    "submit": {"core", "slurm", "config", "rundir", "backends"},
+    "backends": {"core", "slurm", "config", "rundir"},
 }
 #: (importer, imported) allowed across the rules above, each with its reason.
 EXCEPTIONS = {
     # submitit pickles a callable that runs the built-in trainer on the ranks: it must name it.
     ("cyclone_kit.backends.submitit_", "cyclone_kit.runtime.__main__"),
 }
-#: Modules of spec/ the rank side must not use (validation against a profile, argument handling).
-SPEC_LOGIN_ONLY = {"cyclone_kit.spec.validate", "cyclone_kit.spec.jobspec", "cyclone_kit.spec.sweep"}
+#: Modules of config/ the rank side must not use (validation against a profile, argument handling).
+CONFIG_LOGIN_ONLY = {"cyclone_kit.config.validate", "cyclone_kit.config.jobspec", "cyclone_kit.config.sweep"}
 #: Run-directory file names: spelled (as a string in code) only in their owner.
 FILE_NAMES = {"spec.json", "metrics.jsonl", "failure.json", "shim.jsonl", "job.sbatch", "launch.json", "checkpoints",
               "submitted.json", "sweep.json", "network.json"}
@@ -148,7 +148,7 @@ def layer_violations(root: Path) -> list[str]:
             bad.append(f"{where} ({src}/ may import only {sorted(MAY_IMPORT[src]) or 'the standard library'})")
         if dst == "cli" and src != "cli" and e.importer != "cyclone_kit.__main__":
             bad.append(f"{where} (nothing below cli/ imports cli/)")
-        if src == "runtime" and (dst == "submit" or e.imported in SPEC_LOGIN_ONLY):
+        if src == "runtime" and (dst == "submit" or e.imported in CONFIG_LOGIN_ONLY):
             bad.append(f"{where} (the rank side never imports the login side)")
         if src == "analysis" and dst in {"runtime", "submit", "cli", "backends"}:
             bad.append(f"{where} (analysis reads run directories, not the engine or the submit path)")

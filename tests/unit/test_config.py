@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cyclone_kit.config.job import MODELS, JobSpec, apply_overrides, load_spec, spec_from_dict, spec_to_dict
+from cyclone_kit.config.profile import load_profile, profile_names
+from cyclone_kit.config.toolbox import parse_assignment
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import MODELS, JobSpec, apply_overrides, load_spec, spec_from_dict, spec_to_dict
-from cyclone_kit.spec.profile import load_profile, profile_names
-from cyclone_kit.spec.toolbox import parse_assignment
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 
 def test_builtin_profiles():
@@ -115,7 +115,7 @@ def test_profile_binding_values_are_checked_and_rendered_as_srun_options() -> No
     """Issue 16 item 13: binding lives in the profile; a value srun would not take is refused."""
     import dataclasses
 
-    from cyclone_kit.spec.profile import load_profile
+    from cyclone_kit.config.profile import load_profile
 
     cyclone = load_profile("cyclone")
     assert cyclone.srun_binding == ("--cpu-bind=cores", "--distribution=block:block", "--gpu-bind=none")

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -15,26 +12,10 @@ from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.dist import choose_device, cpus_per_task, worker_cpus
 from cyclone_kit.runtime.env import DistEnv, default_port, detect
 from cyclone_kit.submit.render import PORT_BASE, PORT_SPAN
+from tests.helpers.slurm_env import SLURM_BATCH, SLURM_TASK3
 
 # Recorded from a real Slurm 22.05 job (sbatch -N2 --ntasks-per-node=2; srun env) on the local
 # test cluster: task 3 of step 0, and the batch script's own environment.
-SLURM_TASK3 = {
-    "SLURMD_NODENAME": "c2", "SLURM_CLUSTER_NAME": "cyclone-local", "SLURM_CPUS_ON_NODE": "2",
-    "SLURM_DISTRIBUTION": "block", "SLURM_GTIDS": "2,3", "SLURM_JOBID": "22", "SLURM_JOB_CPUS_PER_NODE": "2(x2)",
-    "SLURM_JOB_ID": "22", "SLURM_JOB_NAME": "wrap", "SLURM_JOB_NODELIST": "c[1-2]", "SLURM_JOB_NUM_NODES": "2",
-    "SLURM_JOB_PARTITION": "cpu", "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_LOCALID": "1",
-    "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_NODELIST": "c[1-2]", "SLURM_NPROCS": "4",
-    "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "3", "SLURM_STEPID": "0",
-    "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "c[1-2]", "SLURM_STEP_NUM_NODES": "2",
-    "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_TASKS_PER_NODE": "2(x2)",
-    "SLURM_TOPOLOGY_ADDR": "c2",
-}
-SLURM_BATCH = {
-    "SLURMD_NODENAME": "c1", "SLURM_JOBID": "22", "SLURM_JOB_ID": "22", "SLURM_JOB_NODELIST": "c[1-2]",
-    "SLURM_JOB_NUM_NODES": "2", "SLURM_LOCALID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
-    "SLURM_NODELIST": "c[1-2]", "SLURM_NPROCS": "4", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
-    "SLURM_PROCID": "0", "SLURM_TASKS_PER_NODE": "2(x2)",
-}
 
 
 def slurm_task(nodelist: str, tasks_per_node: str, ntasks: int, procid: int, nodeid: int, localid: int,
@@ -307,32 +288,10 @@ def test_cpus_per_task() -> None:
 
 
 # ------------------------------------------------------------------------ the env command
-def _cli(args: list[str], environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_", "SUBMITIT_"))
-            and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")}
-    return subprocess.run([sys.executable, "-m", "cyclone_kit", *args], env={**base, **environ}, text=True,
-                          capture_output=True, timeout=60, check=False)
 
 
-def test_env_command_json_and_no_torch_import() -> None:
-    out = _cli(["env", "--json"], SLURM_TASK3)
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
-    assert (data["rank"], data["world_size"], data["master_addr"], data["hostnames"]) == (3, 4, "c1", ["c1", "c2"])
-    assert data["device"] == "cpu" and data["backend"] == "gloo"
-    probe = subprocess.run(
-        [sys.executable, "-c", "import sys, argparse; from cyclone_kit.cli import env; "
-         "env.run(argparse.Namespace(json=True)); assert 'torch' not in sys.modules, 'torch imported'"],
-        env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}, text=True, capture_output=True,
-        timeout=60, check=False)
-    assert probe.returncode == 0, probe.stderr
 
 
-def test_env_command_exits_2_with_one_line_on_a_forgotten_srun() -> None:
-    out = _cli(["env"], SLURM_BATCH)
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "HINT:" in lines[0]
 
 
 @pytest.mark.parametrize(("environ", "expected"), [

@@ -140,15 +140,6 @@ def test_rule_helpers_on_their_edges() -> None:
     assert unknown.differences == ("device T4 vs Tesla V100-SXM2-32GB",)
 
 
-def test_the_cli_report_refuses_the_bogus_fit_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from cyclone_kit.cli.app import main
-
-    study = write_study(tmp_path, "bad", "strong", [("n1", Cpu(1, 100.0)), ("n2", Cpu(2, 88.0))])
-    assert main(["report", str(study), "-o", str(tmp_path / "out")]) == 0
-    captured = capsys.readouterr()
-    assert "bad [ddp]: no meaningful fit" in captured.out
-    assert "serial fraction s = 1.0000" not in captured.out
-    assert "warning: bad (ddp) N=2: worse than serial" in captured.err
 
 
 def test_runs_table_sanity_for_the_rules(tmp_path: Path) -> None:

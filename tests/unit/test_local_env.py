@@ -16,9 +16,9 @@ from cyclone_kit.backends.local_env import (
     threads_per_rank,
 )
 from cyclone_kit.backends.srun_emulator import LaunchResult, RankExit, failure_record, root_cause_line, signal_name
+from cyclone_kit.config.job import spec_from_dict
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import detect
-from cyclone_kit.spec.job import spec_from_dict
 
 
 @pytest.mark.parametrize(("nodes", "hosts", "nodelist"), [

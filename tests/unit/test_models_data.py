@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from cyclone_kit.config.job import MODELS, TrainConfig
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.data import (
     DEBIAN_FASHION_MNIST,
@@ -23,7 +24,6 @@ from cyclone_kit.runtime.data import (
 )
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
-from cyclone_kit.spec.job import MODELS, TrainConfig
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from functools import partial
 from pathlib import Path
@@ -157,35 +155,10 @@ def test_the_shipped_reference_baselines_load() -> None:
     assert rows["source"].str.len().min() > 20  # every row says where it comes from
 
 
-def test_a_study_with_no_complete_run_still_reports(tmp_path: Path) -> None:
-    write_run(tmp_path / "s" / "a", SyntheticRun(2, 1.0, statuses=(None,)))
-    result = write_report([tmp_path / "s"], tmp_path / "out")
-    assert result.table.empty
-    assert not (tmp_path / "out" / "speedup.png").exists()
-    assert "no end record" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_cli_report_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from cyclone_kit.cli.app import main
-
-    study = write_study(tmp_path, "w", "weak", [("n1", SyntheticRun(1, 10.0)), ("n2", SyntheticRun(2, 19.0))])
-    assert main(["report", str(study), "-o", str(tmp_path / "out")]) == 0
-    out = capsys.readouterr().out
-    assert "N=2: 19.0 samples/s, speed-up 1.90, efficiency 95.0 %" in out
-    assert "gustafson" in out
-    assert pd.read_csv(tmp_path / "out" / "scaling.csv")["efficiency"].tolist() == pytest.approx([1.0, 0.95])
-    (tmp_path / "empty").mkdir()
-    assert main(["report", str(tmp_path / "empty"), "-o", str(tmp_path / "out2")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: no metrics.jsonl found under") and "HINT:" in err and "\n" not in err
-    assert main(["report", str(study), "-o", str(tmp_path / "o3"), "--baseline", "oops"]) == 2
 
 
-def test_importing_the_command_does_not_import_pandas_or_matplotlib() -> None:
-    code = ("import sys, cyclone_kit.cli.report; "
-            "print(sorted({'pandas', 'matplotlib', 'torch'} & set(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
 
 
 def test_plot_functions_return_figures_and_save_only_when_asked(tmp_path: Path, monkeypatch) -> None:

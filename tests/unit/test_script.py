@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.cli.app import split_script_args
+from cyclone_kit.config.job import ScriptConfig, fill_script_args, resolve_key, spec_from_dict, spec_to_dict
+from cyclone_kit.config.jobspec import fill_args, is_script_path
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.script import check_script, compile_check, job_name_for, sha256_hex
+from cyclone_kit.config.sweep import expand, sweep_from_dict
+from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import DistEnv, detect
 from cyclone_kit.runtime.launch import (
@@ -23,12 +29,6 @@ from cyclone_kit.runtime.launch import (
     time_to_solution_records,
     torchrun_variables,
 )
-from cyclone_kit.spec.job import ScriptConfig, fill_script_args, resolve_key, spec_from_dict, spec_to_dict
-from cyclone_kit.spec.jobspec import fill_args, is_script_path
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.script import check_script, compile_check, job_name_for, sha256_hex
-from cyclone_kit.spec.sweep import expand, sweep_from_dict
-from cyclone_kit.spec.validate import resolve
 from cyclone_kit.submit.render import render_script
 
 SHA = "a" * 64

@@ -6,10 +6,10 @@ import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
 from cyclone_kit.backends.submitit_ import SubmititBackend, local_parameters, slurm_parameters
+from cyclone_kit.config.job import spec_from_dict
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import spec_from_dict
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.validate import resolve
 
 
 def _job(profile: str = "local", **resources: object):

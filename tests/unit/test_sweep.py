@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from cyclone_kit.config.job import spec_to_dict
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.sweep import SweepPoint, expand, load_sweep, merge_spec_dicts, sweep_from_dict, sweep_record
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import spec_to_dict
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.sweep import SweepPoint, expand, load_sweep, merge_spec_dicts, sweep_from_dict, sweep_record
 from cyclone_kit.submit.render import render_report_script as report_script
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 
 LOCAL = load_profile("local")
 CYCLONE = load_profile("cyclone")

@@ -2,10 +2,10 @@
 
 import pytest
 
+from cyclone_kit.config.job import spec_from_dict
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import spec_from_dict
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.validate import resolve
 
 
 def job(profile="cyclone", **resources):

@@ -19,9 +19,9 @@ import hashlib
 import re
 from pathlib import Path
 
+from cyclone_kit.config.job import ScriptConfig
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.layout import USER_SCRIPT_DIR as COPY_DIR  # the run directory's layout is RunDir's
-from cyclone_kit.spec.job import ScriptConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Dicts exist only at the edge (TOML files, ``--set`` flags); everything past :func:`spec_from_dict`
 is a frozen dataclass validated on construction. Cross-checks against a cluster profile live in
-:mod:`cyclone_kit.spec.validate`.
+:mod:`cyclone_kit.config.validate`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.slurm.walltime import parse_time
-from cyclone_kit.spec.toolbox import (
+from cyclone_kit.config.toolbox import (
     build,
     check_choice,
     check_directives,
@@ -30,6 +28,8 @@ from cyclone_kit.spec.toolbox import (
     read_text,
     read_toml,
 )
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.slurm.walltime import parse_time
 
 #: Models the runtime can build (cyclone_kit.runtime.models implements every one).
 MODELS = (

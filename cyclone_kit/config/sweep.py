@@ -19,7 +19,7 @@ A sweep spec is a TOML file::
 
 Everything past :func:`load_sweep` is frozen dataclasses; :func:`expand` turns a
 :class:`SweepSpec` and a cluster profile into one :class:`SweepRun` (a validated
-:class:`~cyclone_kit.spec.validate.ResolvedJob`) per point and repeat. The smallest point is the
+:class:`~cyclone_kit.config.validate.ResolvedJob`) per point and repeat. The smallest point is the
 baseline of the study (the analysis takes the smallest world size).
 """
 
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.config.job import SECTIONS, JobSpec, apply_overrides, set_fields, spec_from_dict, spec_to_dict, validate_name
+from cyclone_kit.config.profile import ClusterProfile
+from cyclone_kit.config.toolbox import did_you_mean, read_toml
+from cyclone_kit.config.validate import ResolvedJob, resolve
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import SECTIONS, JobSpec, apply_overrides, set_fields, spec_from_dict, spec_to_dict, validate_name
-from cyclone_kit.spec.profile import ClusterProfile
-from cyclone_kit.spec.toolbox import did_you_mean, read_toml
-from cyclone_kit.spec.validate import ResolvedJob, resolve
 
 MODES = ("strong", "weak")
 SWEEP_KEYS = ("name", "mode", "global_batch_size", "points", "world_sizes", "repeats", "report", "serial", "base")
@@ -378,7 +378,7 @@ def point_spec(sweep: SweepSpec, point: SweepPoint, profile: ClusterProfile) -> 
         resources = dataclasses.replace(res, nodes=point.nodes, ntasks_per_node=point.ntasks_per_node)
     name = f"{sweep.name}-ws{point.world_size}"
     if sweep.base.script is not None:  # the script's args get the point's numbers ({per_device_batch_size} ...)
-        from cyclone_kit.spec.job import fill_script_args
+        from cyclone_kit.config.job import fill_script_args
 
         per_device = sweep.per_device_batch(point.world_size)
         values = {"per_device_batch_size": per_device, "global_batch_size": per_device * point.world_size,

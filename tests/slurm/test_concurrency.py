@@ -21,16 +21,15 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
+from cyclone_kit.config.job import spec_from_dict
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.toolbox import read_toml
+from cyclone_kit.config.validate import resolve
 from cyclone_kit.rundir.layout import create_run_dir, run_dir_name
 from cyclone_kit.slurm.states import JobState
-from cyclone_kit.spec.job import spec_from_dict
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.toolbox import read_toml
-from cyclone_kit.spec.validate import resolve
 from cyclone_kit.submit.submission import prepare_run_dir
-from tests.conftest import REPO
-from tests.slurm.conftest import slurm_cluster  # noqa: F401  (the fixture, used below)
-from tests.slurm.test_faults import cancel_quietly, job_processes, parse_submit_output, read_records, wait_for
+from tests.helpers.cli import REPO
+from tests.helpers.slurm_jobs import cancel_quietly, job_processes, parse_submit_output, read_records, wait_for
 
 SMOKE = REPO / "jobs" / "smoke.toml"
 WHEN = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC: every directory below is made "in the same second"
@@ -109,7 +108,7 @@ def _master(run_dir: Path) -> tuple[str, int]:
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(3 * HANG_S)
-def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str, str],  # noqa: F811
+def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str, str],
                                                           tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "cyclone_kit", "submit", str(SMOKE), "--profile", "local", "--partition", "cpu",
             "--nodes", "1", "--ntasks-per-node", "2", "--runs-dir", str(tmp_path),

@@ -1,6 +1,6 @@
 """The spec toolbox: TOML reading, ``--set`` parsing, dataclass building and value checks (pure).
 
-Shared by :mod:`cyclone_kit.spec.profile` and :mod:`cyclone_kit.spec.job`; every failure is a
+Shared by :mod:`cyclone_kit.config.profile` and :mod:`cyclone_kit.config.job`; every failure is a
 one-line :class:`~cyclone_kit.core.errors.ValidationError` with a hint.
 """
 

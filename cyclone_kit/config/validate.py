@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cyclone_kit.config.job import JobSpec
+from cyclone_kit.config.profile import ClusterProfile, Partition
+from cyclone_kit.config.toolbox import parse_mem_mb
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.slurm.walltime import format_time, parse_time
-from cyclone_kit.spec.job import JobSpec
-from cyclone_kit.spec.profile import ClusterProfile, Partition
-from cyclone_kit.spec.toolbox import parse_mem_mb
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.slurm.walltime import parse_time
-from cyclone_kit.spec.toolbox import (
+from cyclone_kit.config.toolbox import (
     build,
     check_directives,
     check_non_negative,
     check_positive,
     read_toml,
 )
+from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.slurm.walltime import parse_time
 
 GPU_REQUESTS = ("gres", "gpus-per-node")
 

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.config.job import JobSpec, apply_overrides, set_fields, spec_from_dict, spec_to_dict
+from cyclone_kit.config.profile import load_profile
+from cyclone_kit.config.toolbox import read_toml, reject_empty_strings
+from cyclone_kit.config.validate import ResolvedJob, resolve
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.spec.job import JobSpec, apply_overrides, set_fields, spec_from_dict, spec_to_dict
-from cyclone_kit.spec.profile import load_profile
-from cyclone_kit.spec.toolbox import read_toml, reject_empty_strings
-from cyclone_kit.spec.validate import ResolvedJob, resolve
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "jobs" / "default.toml"
 
@@ -110,8 +110,8 @@ def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """
     script = script_table_from_args(args)
     if script is not None:
-        from cyclone_kit.spec.job import ScriptConfig
-        from cyclone_kit.spec.script import job_name_for
+        from cyclone_kit.config.job import ScriptConfig
+        from cyclone_kit.config.script import job_name_for
 
         default = read_toml(DEFAULT_SPEC)
         data = {"name": job_name_for(ScriptConfig(path=script.get("path", ""), module=script.get("module", ""))),
@@ -148,7 +148,7 @@ def checked_spec(spec: JobSpec) -> tuple[JobSpec, Any]:
     """``spec`` with its script checked (exists, compiles) and hashed; (spec, CheckedScript or None)."""
     if spec.script is None:
         return spec, None
-    from cyclone_kit.spec.script import check_script
+    from cyclone_kit.config.script import check_script
 
     checked = check_script(spec.script, Path.cwd())
     return dataclasses.replace(spec, script=checked.config), checked
@@ -166,7 +166,7 @@ def fill_args(job: ResolvedJob) -> ResolvedJob:
     spec = job.spec
     if spec.script is None:
         return job
-    from cyclone_kit.spec.job import fill_script_args
+    from cyclone_kit.config.job import fill_script_args
 
     per_device = spec.script.batch_size
     values = {"per_device_batch_size": per_device, "global_batch_size": per_device * job.world_size,
@@ -188,7 +188,7 @@ def script_files(spec: JobSpec) -> dict[str, bytes]:
     """The run directory's copy of the job's script (``{}`` for the built-in trainer)."""
     if spec.script is None:
         return {}
-    from cyclone_kit.spec.script import check_script
+    from cyclone_kit.config.script import check_script
 
     checked = check_script(spec.script, Path.cwd())
     if checked.config.sha256 != spec.script.sha256:

@@ -133,7 +133,7 @@ def test_stop_agreement_two_ranks_poll_at_the_same_steps_and_stop_together(tmp_p
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.helpers.cli import REPO
 
     script = tmp_path / "agree.py"
     script.write_text(_AGREE)
