@@ -250,7 +250,7 @@ fsdp_channels_last() {
   timeout -k 10 "$1" "$PY" - "$DEVICE" "$MODEL" "$SIZE" "$CLASSES" "$FSDP_BATCH" "$FSDP_STEPS" <<'PYEOF'
 import datetime, socket, sys, time
 import torch, torch.distributed as dist
-from cyclone_kit.spec.job import TrainConfig
+from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.plan import resolve_precision

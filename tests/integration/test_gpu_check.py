@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.cli import REPO
 from tests.helpers.torch_only import torch_only_python
 
 #: Hang guards (not performance bounds): the CPU dry run took 270 s on this 2-core machine at load ~8

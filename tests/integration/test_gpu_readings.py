@@ -26,7 +26,7 @@ import horovod.torch as hvd
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.train import make_optimizer, place_model, strategy_for, wrap_model
-from cyclone_kit.spec.job import TrainConfig
+from cyclone_kit.config.job import TrainConfig
 
 mode, out = sys.argv[1], sys.argv[2]
 hvd.init()
@@ -93,7 +93,7 @@ import torch.nn.functional as F
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.train import make_optimizer, place_model, wrap_model
-from cyclone_kit.spec.job import TrainConfig
+from cyclone_kit.config.job import TrainConfig
 
 rank, port, precision, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -180,7 +180,7 @@ def test_log_step_stops_the_window_clock_after_the_loss_sync(tmp_path: Path) -> 
 def test_run_refuses_more_ranks_than_gpus_before_making_a_run_dir(tmp_path: Path) -> None:
     """Likely item: `run --nodes 2` on a one-GPU box put both pretend nodes on cuda:0 (NCCL:
     "Duplicate GPU detected"); now it is one line, exit 2, and no half-made run directory."""
-    from tests.conftest import REPO, run_cli
+    from tests.helpers.cli import REPO, run_cli
 
     proc = run_cli("run", str(REPO / "jobs" / "smoke.toml"), "--nproc", "2", "--nodes", "2", "--runs-dir",
                    str(tmp_path / "runs"), env={"CUDA_VISIBLE_DEVICES": "0"})
@@ -194,7 +194,7 @@ def test_run_refuses_more_ranks_than_gpus_before_making_a_run_dir(tmp_path: Path
 def test_fsdp_with_torch_compile_and_bf16_trains_through_the_runtime(tmp_path: Path) -> None:
     """FSDP2 + torch.compile (+ the bf16 MixedPrecisionPolicy) where torch allows it on the CPU: two
     gloo ranks through `cyclone-kit run` complete their steps and agree on the loss they log."""
-    from tests.conftest import REPO, run_cli
+    from tests.helpers.cli import REPO, run_cli
 
     sets = ["train.strategy=fsdp", "train.compile=true", "train.precision=bf16", "train.steps=3", "train.log_every=1",
             "train.val_every_epochs=0", "checkpoint.every_steps=0"]

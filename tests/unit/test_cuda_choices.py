@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.train import (
     CONTIGUOUS_PARAMS,
@@ -17,7 +18,6 @@ from cyclone_kit.runtime.train import (
     place_model,
     use_fused_sgd,
 )
-from cyclone_kit.spec.job import TrainConfig
 
 
 class HostReads(TorchDispatchMode):
@@ -128,9 +128,9 @@ def test_more_ranks_than_gpus_is_refused_before_nccl_says_duplicate_gpu(nproc: i
 def _gpu_job(profile_changes: dict, script: bool, extra_sbatch: tuple[str, ...] = (), launcher: str = "srun"):
     import dataclasses
 
-    from cyclone_kit.spec.job import spec_from_dict
-    from cyclone_kit.spec.profile import load_profile
-    from cyclone_kit.spec.validate import resolve
+    from cyclone_kit.config.job import spec_from_dict
+    from cyclone_kit.config.profile import load_profile
+    from cyclone_kit.config.validate import resolve
 
     data = {"name": "t", "resources": {"profile": "cyclone", "partition": "gpu", "nodes": 1, "account": "p1",
                                        "launcher": launcher, "extra_sbatch": list(extra_sbatch)}}
