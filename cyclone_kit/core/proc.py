@@ -72,23 +72,8 @@ def run_command(
         CommandError: non-zero exit (with ``check``), timeout, or the command could not start.
     """
     args = [os.fspath(a) for a in argv]
-    if not args:
-        raise CommandError("empty command", hint="pass the program and its arguments as a list", argv=args)
-    program = args[0]
     full_env = None if env is None else {**os.environ, **env}
-    path = full_env.get("PATH") if full_env is not None else None
-    if shutil.which(program, path=path) is None:
-        raise CommandNotFound(
-            f"command not found: {program}",
-            hint=f"install {program} or put it on PATH (running {shlex.join(args)})",
-            argv=args,
-        )
-    if cwd is not None and not Path(cwd).is_dir():
-        raise CommandError(
-            f"working directory {os.fspath(cwd)!r} does not exist for {shlex.join(args)}",
-            hint="create the directory first",
-            argv=args,
-        )
+    _preflight(args, full_env, cwd)
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -105,24 +90,7 @@ def run_command(
         raise CommandError(
             f"could not start {shlex.join(args)}: {exc}", hint="check the program's permissions", argv=args
         ) from exc
-    try:
-        out, err = proc.communicate(input=input.encode() if input is not None else None, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        try:
-            out, err = proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:  # a grandchild left the group and holds the pipes
-            proc.kill()
-            proc.wait()
-            out, err = b"", b""
-        raise CommandError(
-            f"{shlex.join(args)} timed out after {timeout:g} s",
-            hint="the service it talks to may be down or overloaded; retry, or raise the timeout",
-            argv=args,
-            returncode=None,
-            stdout=_decode(out),
-            stderr=_decode(err),
-        ) from None
+    out, err = _communicate(proc, args, input, timeout)
     result = CompletedCommand(
         argv=tuple(args),
         returncode=proc.returncode,
@@ -141,6 +109,47 @@ def run_command(
             stderr=result.stderr,
         )
     return result
+
+
+def _preflight(args: list[str], env: Mapping[str, str] | None, cwd: str | os.PathLike[str] | None) -> None:
+    """Refuse an empty command, a program not on PATH and a missing working directory, before starting."""
+    if not args:
+        raise CommandError("empty command", hint="pass the program and its arguments as a list", argv=args)
+    program = args[0]
+    if shutil.which(program, path=env.get("PATH") if env is not None else None) is None:
+        raise CommandNotFound(
+            f"command not found: {program}",
+            hint=f"install {program} or put it on PATH (running {shlex.join(args)})",
+            argv=args,
+        )
+    if cwd is not None and not Path(cwd).is_dir():
+        raise CommandError(
+            f"working directory {os.fspath(cwd)!r} does not exist for {shlex.join(args)}",
+            hint="create the directory first",
+            argv=args,
+        )
+
+
+def _communicate(proc: subprocess.Popen[bytes], args: list[str], input: str | None, timeout: float) -> tuple[bytes, bytes]:
+    """stdout and stderr of ``proc``; on timeout its process group is killed and CommandError raised."""
+    try:
+        return proc.communicate(input=input.encode() if input is not None else None, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        try:
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # a grandchild left the group and holds the pipes
+            proc.kill()
+            proc.wait()
+            out, err = b"", b""
+        raise CommandError(
+            f"{shlex.join(args)} timed out after {timeout:g} s",
+            hint="the service it talks to may be down or overloaded; retry, or raise the timeout",
+            argv=args,
+            returncode=None,
+            stdout=_decode(out),
+            stderr=_decode(err),
+        ) from None
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
