@@ -1,7 +1,8 @@
 """Run every benchmark, print each figure with its target and MET/MISSED, rewrite bench/RESULTS.md.
 
 ``make bench`` runs ``.venv/bin/python bench/run_all.py``. Benchmarks (each in its own process,
-one after the other, output streamed as it comes): cli_latency, analysis, overhead, scaling_cpu, script_shim, api_cost.
+one after the other, output streamed as it comes): cli_latency, analysis, overhead, scaling_cpu, script_shim, api_cost,
+predict_accuracy (needs the local Slurm cluster; says so and skips without one).
 bench/gpu_check.sh needs an NVIDIA GPU and is not run here; the GPU section and the notes section
 of RESULTS.md (between the ``gpu-check`` / ``notes`` markers) are kept as they are when the file
 is rewritten.
@@ -69,7 +70,7 @@ def commands(is_quick: bool) -> dict[str, list[str]]:
         analysis = [py, str(BENCH / "analysis.py")]
     return {"cli_latency": cli, "analysis": analysis, "overhead": [py, str(BENCH / "overhead.py")],
             "scaling_cpu": [py, str(BENCH / "scaling_cpu.py")], "script_shim": [py, str(BENCH / "script_shim.py")],
-            "api_cost": [py, str(BENCH / "api_cost.py")]}
+            "api_cost": [py, str(BENCH / "api_cost.py")], "predict_accuracy": [py, str(BENCH / "predict_accuracy.py")]}
 
 
 def run_bench(name: str, argv: list[str], timeout: float) -> tuple[int, str, float]:
@@ -175,6 +176,12 @@ def parse(name: str, output: str) -> list[Figure]:
                                f"{r0['api_us_median']:.0f} us, mean {r0['api_us_mean']:.0f} us of a "
                                f"{r0['step_ms_median']:.1f} ms step)", f"{100 * j['ratio']:.3f} %",
                                f"<= {100 * j['target']:.0f} % of the step", _v(j["met"])))
+    elif name == "predict_accuracy":
+        j = _json(output)
+        if j:
+            per = ", ".join(f"{r['mode']} {r['error_points']:+.1f}" for r in j["results"])
+            figs.append(Figure(name, f"predicted vs measured 2-rank efficiency, local Slurm cluster (points: {per})",
+                               f"worst {j['worst_abs_error_points']:.1f} points", "<= 10 points", _v(j["met"])))
     return figs
 
 
@@ -219,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the selected benchmarks, print the summary, rewrite the results file."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", action="append",
-                   choices=["cli_latency", "analysis", "overhead", "scaling_cpu", "script_shim", "api_cost"])
+                   choices=["cli_latency", "analysis", "overhead", "scaling_cpu", "script_shim", "api_cost",
+                            "predict_accuracy"])
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md")
     p.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")
     args = p.parse_args(argv)

@@ -534,9 +534,11 @@ def _read_rank_files(run_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError) as exc:
             notes.append(f"{file}: ignored ({exc})")
             continue
-        row = {name: data.get(name) for name in (*contract.RANK_SUMMARY_FIELDS, *contract.RANK_SUMMARY_OPTIONAL_FIELDS)}
+        row = {name: data.get(name) for name in (*contract.RANK_SUMMARY_FIELDS, *contract.RANK_SUMMARY_OPTIONAL_FIELDS,
+                                                 *contract.RANK_SUMMARY_CPU_FIELDS)}
         row.update(rank=_integer(row["rank"]), samples_per_s=_number(row["samples_per_s"]),
-                   peak_memory_bytes=_number(row["peak_memory_bytes"]), energy_j=_number(row["energy_j"]))
+                   peak_memory_bytes=_number(row["peak_memory_bytes"]), energy_j=_number(row["energy_j"]),
+                   cpu_cores=_number(row["cpu_cores"]), threads=_number(row["threads"]))
         rows.append(row)
     return rows
 
@@ -638,7 +640,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
             epochs[column] = pd.Series(dtype=float)
     epochs = epochs[epoch_columns]
     ranks = pd.DataFrame(rank_rows, columns=["run_dir", *contract.RANK_SUMMARY_FIELDS,
-                                             *contract.RANK_SUMMARY_OPTIONAL_FIELDS])
+                                             *contract.RANK_SUMMARY_OPTIONAL_FIELDS, *contract.RANK_SUMMARY_CPU_FIELDS])
     if warn:
         for note in notes:
             warnings.warn(note, MetricsWarning, stacklevel=2)

@@ -470,3 +470,9 @@ def cost_figure(
     _freeze_layout(fig)
     save_figure(fig, path)
     return fig
+
+
+#: The figure helpers other figure modules share (cyclone_kit.analysis.phase_plots).
+new_figure = _new_figure
+freeze_layout = _freeze_layout
+set_title = _title

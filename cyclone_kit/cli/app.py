@@ -17,7 +17,7 @@ from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.core.version import __version__
 
 #: Subcommands in the order ``--help`` lists them.
-COMMANDS = ("submit", "run", "sweep", "report", "status", "cancel", "logs", "env", "profiles", "doctor")
+COMMANDS = ("submit", "run", "sweep", "report", "predict", "status", "cancel", "logs", "env", "profiles", "doctor")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(e.g. analysis/reference_baselines.csv); repeatable",
     )
     p.add_argument("--title", default="Scaling report", help="report title")
+    p.add_argument("--network", default=None, metavar="NETWORK_JSON", help="a doctor run's network.json (or its "
+                   "run directory) for the predicted-vs-measured section; default: the partition's published figures "
+                   "where the profile has them")
     p.set_defaults(func=run)
 
 
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", MetricsWarning)
-        result = write_report(args.paths, args.output, args.baseline, title=args.title)
+        result = write_report(args.paths, args.output, args.baseline, title=args.title, network=args.network)
     for warning in caught:
         if issubclass(warning.category, MetricsWarning):
             sys.stderr.write(f"warning: {warning.message}\n")

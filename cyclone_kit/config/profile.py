@@ -6,10 +6,11 @@ Dicts exist only at the edge (the TOML file); :func:`profile_from_dict` builds a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from cyclone_kit.config.toolbox import (
     read_toml,
 )
 from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.rundir.network import LEVELS as NETWORK_LEVELS
+from cyclone_kit.rundir.network import NetworkFigures, level_from_dict
 from cyclone_kit.slurm.walltime import parse_time
 
 GPU_REQUESTS = ("gres", "gpus-per-node")
@@ -42,6 +45,8 @@ class Partition:
     max_time: str = "1-00:00:00"
     default: bool = False
     nodelist: str = ""
+    #: published network figures (the ``[partitions.NAME.network]`` table), labelled as such by ``predict``.
+    network: NetworkFigures | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         check_positive(f"partition {self.name!r} nodes", self.nodes)
@@ -142,6 +147,34 @@ class ClusterProfile:
         )
 
 
+def published_network(table: Any, profile: str, part: Partition) -> NetworkFigures:
+    """The ``[partitions.NAME.network]`` table: published figures per level (``intra`` / ``inter``).
+
+    Keys: ``backend`` (gloo / nccl), ``source`` (the citation), and per level ``alpha_us``,
+    ``busbw_gbps``, ``ranks`` (the ranks the figures hold for) and its own ``source``.
+
+    Raises:
+        ValidationError: not a table, an unknown level or key, or a figure that is not a positive number.
+    """
+    where = f"profile {profile!r} partitions.{part.name}.network"
+    if not isinstance(table, dict):
+        raise ValidationError(f"{where} is not a table", hint=f"write [partitions.{part.name}.network.inter]")
+    table = dict(table)
+    backend, source = str(table.pop("backend", "nccl" if part.gpus_per_node else "gloo")), str(table.pop("source", ""))
+    for level, figures in table.items():
+        if level not in NETWORK_LEVELS:
+            raise ValidationError(f"{where}: unknown key {level!r}", hint=f"use backend, source, {', '.join(NETWORK_LEVELS)}")
+        unknown = set(figures) - {"alpha_us", "busbw_gbps", "ranks", "source"} if isinstance(figures, dict) else set()
+        if unknown:
+            raise ValidationError(f"{where}.{level}: unknown key(s) {', '.join(sorted(unknown))}",
+                                  hint="use alpha_us, busbw_gbps, ranks, source")
+    levels = {k: level_from_dict({"source": source, **v} if isinstance(v, dict) else v, f"{where}.{k}", published=True)
+              for k, v in table.items()}
+    return NetworkFigures(levels=levels, source="published", cluster=profile, partition=part.name,
+                          device="cuda" if part.gpus_per_node else "cpu", device_type=part.gpu_type, backend=backend,
+                          origin=f"profile {profile!r} [partitions.{part.name}.network] (published figures)")
+
+
 def profile_from_dict(data: dict[str, Any], name: str) -> ClusterProfile:
     """Build a ClusterProfile from the dict of a profile TOML file."""
     data = dict(data)
@@ -152,7 +185,12 @@ def profile_from_dict(data: dict[str, Any], name: str) -> ClusterProfile:
     for pname, pdata in parts.items():
         if not isinstance(pdata, dict):
             raise ValidationError(f"profile {name!r}: partitions.{pname} is not a table", hint="write [partitions.NAME]")
-        partitions.append(build(Partition, f"partitions.{pname}", {"name": pname, **pdata}))
+        pdata = dict(pdata)
+        network = pdata.pop("network", None)
+        part = build(Partition, f"partitions.{pname}", {"name": pname, **pdata})
+        if network is not None:
+            part = dataclasses.replace(part, network=published_network(network, name, part))
+        partitions.append(part)
     env = data.pop("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str | int | float) for v in env.values()):
         raise ValidationError(f"profile {name!r}: env must be a table of strings", hint='write [env] then KEY = "value"')

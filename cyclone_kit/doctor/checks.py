@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cyclone_kit.config.validate import ResolvedJob
+from cyclone_kit.rundir.network import NetworkFigures, level_from_points
 from cyclone_kit.slurm import hostlist
 from cyclone_kit.slurm.cluster import Association, NodeInfo, PartitionInfo, accounts_of
 from cyclone_kit.slurm.walltime import format_time
@@ -39,16 +40,21 @@ class Check:
         ok: True passed, False failed, None not checked (``detail`` says why).
         detail: what was found, on one line.
         hint: the fix, when the check failed (may be empty otherwise).
+        data: figures the check measured (``network``: the network.json document), else None.
     """
 
     check: str
     ok: bool | None
     detail: str
     hint: str = ""
+    data: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """``{check, ok, detail, hint}`` (the ``--json`` record)."""
-        return asdict(self)
+        """``{check, ok, detail, hint}`` (the ``--json`` record), plus ``data`` when the check measured figures."""
+        out = asdict(self)
+        if self.data is None:
+            out.pop("data")
+        return out
 
 
 @dataclass(frozen=True)
@@ -605,7 +611,62 @@ def check_network(job: ResolvedJob, result: SmokeResult) -> Check:
     return Check("network", True, f"{shown}; interfaces on the nodes: {', '.join(ifaces) or 'none'}")
 
 
-def live_checks(job: ResolvedJob, result: SmokeResult, host: HostVersions) -> list[Check]:
+def network_figures(job: ResolvedJob, result: SmokeResult, *, time: str = "") -> NetworkFigures | None:
+    """The latency and bus bandwidth of each level the probe swept (pure); None when nothing was swept.
+
+    Each level is fitted from its lowest rank's points (every member timed the same collectives).
+    """
+    levels, skipped = {}, {}
+    backend = "gloo"
+    for report in sorted(result.reports, key=_rank_of):
+        sweep = report.get("sweep") or {}
+        backend = str(report.get("allreduce", {}).get("backend", backend))
+        skipped.update({str(k): str(v) for k, v in dict(sweep.get("skipped", {})).items()})
+        for name, level in dict(sweep.get("levels", {})).items():
+            points = [(int(p[0]), float(p[1])) for p in level.get("points", []) if len(p) == 2]
+            if name in levels or len(points) < 2:
+                continue
+            ranks, hosts = list(level.get("ranks", [])), list(level.get("hosts", []))
+            where = f"{len(ranks)} ranks on {', '.join(hosts)}"
+            levels[name] = level_from_points(points, len(ranks), len(hosts), source=f"measured by doctor: {where}")
+    if not levels:
+        return None
+    part = job.partition
+    return NetworkFigures(levels=levels, source="measured", cluster=job.profile.name, partition=part.name,
+                          device="cuda" if backend == "nccl" else "cpu", device_type=part.gpu_type if backend == "nccl"
+                          else "", backend=backend, origin=f"doctor run {result.run_dir}", time=time, skipped=skipped)
+
+
+def check_network_figures(job: ResolvedJob, result: SmokeResult, figures: NetworkFigures | None) -> Check:
+    """The all-reduce sweep's fitted latency and bus bandwidth per level (``data``: the network.json document)."""
+    if figures is None:
+        joined = [r for r in result.reports if r.get("bootstrap", {}).get("init_ok")]
+        why = "no rank got a process group" if not joined else "no rank finished the all-reduce sweep"
+        return Check("network_figures", None if not joined else False, why,
+                     "" if not joined else "see the allreduce row; a sweep that never ends is the network")
+    parts = []
+    for name in ("intra", "inter"):
+        level = figures.level(name)
+        if level is None:
+            parts.append(f"{name}-node: not measured ({figures.skipped.get(name, 'no such ranks')})")
+            continue
+        sizes = [s for s, _ in level.points]
+        parts.append(f"{name}-node ({level.ranks} ranks): latency {level.alpha_s * 1e6:.1f} us, bus bandwidth "
+                     f"{level.busbw_gbps:.3g} GB/s (peak {level.busbw_peak_gbps:.3g} GB/s; {len(sizes)} sizes, "
+                     f"{_size(min(sizes))} - {_size(max(sizes))})")
+    return Check("network_figures", True, "; ".join(parts), data=figures.to_dict())
+
+
+def _size(n: int) -> str:
+    """4 B, 64 KiB, 64 MiB."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def live_checks(job: ResolvedJob, result: SmokeResult, host: HostVersions,
+                figures: NetworkFigures | None = None) -> list[Check]:
     """Every check of the smoke job's rank reports, in report order.
 
     A job that never ran (refused by sbatch, or still pending when doctor stopped waiting) gives
@@ -620,11 +681,13 @@ def live_checks(job: ResolvedJob, result: SmokeResult, host: HostVersions) -> li
         check_gpus_per_task(job, result),
         check_bootstrap(job, result),
         check_allreduce(job, result),
+        check_network_figures(job, result, figures if figures is not None else network_figures(job, result)),
         check_network(job, result),
     ]
 
 
-LIVE_CHECKS = ("smoke_job", "python", "torch_import", "gpus_per_task", "bootstrap", "allreduce", "network")
+LIVE_CHECKS = ("smoke_job", "python", "torch_import", "gpus_per_task", "bootstrap", "allreduce", "network_figures",
+               "network")
 
 
 def skipped_live_checks(why: str) -> list[Check]:

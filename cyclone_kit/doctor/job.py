@@ -29,11 +29,12 @@ from cyclone_kit.config.profile import load_profile
 from cyclone_kit.config.validate import ResolvedJob, resolve
 from cyclone_kit.core.errors import CommandError, CycloneError
 from cyclone_kit.doctor.checks import Check, HostVersions, ModuleFacts, SmokeResult
+from cyclone_kit.rundir.network import NetworkFigures
 
 #: the smoke job's name (``--job-name``) and the prefix of its run directory.
 JOB_NAME = "ck-doctor"
 #: its wall-time request; the probe itself is bounded by PROBE_TIMEOUT_S per stage.
-JOB_TIME = "00:01:00"
+JOB_TIME = "00:03:00"
 #: seconds a rank waits for the others in init_process_group.
 PROBE_TIMEOUT_S = 30
 #: size of the bandwidth all-reduce.
@@ -53,6 +54,8 @@ class DoctorOptions:
         wait_timeout_s: how long to wait for the smoke job (queue and run) before cancelling it.
         static_only: skip the smoke job.
         python: the interpreter for the job; ``None`` for the profile's, else this one.
+        ntasks_per_node: tasks per node (``None``: one per GPU, one on CPU partitions); 2 or more
+            also measure the network inside a node.
     """
 
     profile: str
@@ -63,9 +66,11 @@ class DoctorOptions:
     wait_timeout_s: float = 300
     static_only: bool = False
     python: str | None = None
+    ntasks_per_node: int | None = None
 
 
-def doctor_request(profile: str, partition: str, nodes: int | None, account: str) -> ResolvedJob:
+def doctor_request(profile: str, partition: str, nodes: int | None, account: str,
+                   ntasks_per_node: int | None = None) -> ResolvedJob:
     """The smoke job's request: what ``submit`` would ask for on that profile and partition.
 
     Raises:
@@ -78,6 +83,7 @@ def doctor_request(profile: str, partition: str, nodes: int | None, account: str
     spec = JobSpec(
         name=JOB_NAME,
         resources=Resources(profile=prof.name, partition=part.name, nodes=nodes, account=account, time=JOB_TIME,
+                            ntasks_per_node=ntasks_per_node,
                             launcher="srun"),
         checkpoint=CheckpointConfig(requeue=False, resume=False, every_steps=0),
     )
@@ -201,7 +207,7 @@ def run_doctor(options: DoctorOptions, *, environ: Mapping[str, str] | None = No
     from cyclone_kit.slurm.query import cluster_facts
 
     environ = os.environ if environ is None else environ
-    job = doctor_request(options.profile, options.partition, options.nodes, options.account)
+    job = doctor_request(options.profile, options.partition, options.nodes, options.account, options.ntasks_per_node)
     user = environ.get("USER") or getpass.getuser()
     try:
         facts = cluster_facts(job.partition.name, user)
@@ -218,4 +224,21 @@ def run_doctor(options: DoctorOptions, *, environ: Mapping[str, str] | None = No
         return checks + doctor.skipped_live_checks("smoke job not submitted: " + "; ".join(problems))
     result = run_smoke_job(job, options.runs_dir, wait_timeout_s=options.wait_timeout_s, python=options.python,
                            progress=progress)
-    return checks + doctor.live_checks(job, result, host_versions())
+    figures = save_network_figures(job, result, progress)
+    return checks + doctor.live_checks(job, result, host_versions(), figures)
+
+
+def save_network_figures(job: ResolvedJob, result: SmokeResult,
+                         progress: Callable[[str], None] = lambda _: None) -> NetworkFigures | None:
+    """Fit the smoke job's all-reduce sweep and write ``network.json`` into its run directory."""
+    from cyclone_kit.doctor.checks import network_figures
+    from cyclone_kit.rundir.contract import utc_now
+    from cyclone_kit.rundir.layout import RunDir
+    from cyclone_kit.rundir.network import save_network
+
+    figures = network_figures(job, result, time=utc_now())
+    if figures is not None and result.run_dir:
+        path = RunDir(Path(result.run_dir)).network
+        save_network(path, figures)
+        progress(f"network figures: {path} (cyclone-kit predict ... --network {path})")
+    return figures

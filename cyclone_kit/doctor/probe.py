@@ -11,7 +11,12 @@ what it found:
    MASTER_ADDR resolution, MASTER_PORT still free on rank 0, then the process group (gloo on
    CPU, nccl on GPU) with a timeout;
 4. ``allreduce``: a correctness check, the latency of a 4-byte all-reduce and the bus bandwidth
-   of a large one (``2 (n-1)/n x bytes / time``, as nccl-tests reports it).
+   of a large one (``2 (n-1)/n x bytes / time``, as nccl-tests reports it);
+5. ``sweep``: all-reduce times from 4 B to 64 MiB (256 MiB on GPUs), doubling, on each network
+   level separately: ``intra`` (the ranks of the first node, when it has two or more) and
+   ``inter`` (one rank per node, when there are two nodes or more). Each size is the median of
+   several timed all-reduces; the submit host fits latency and bus bandwidth per level
+   (:func:`cyclone_kit.rundir.network.fit_alpha_beta`) into the doctor's ``network.json``.
 
 The judging happens on the submit host (:mod:`cyclone_kit.doctor.checks`); this module only measures.
 Exit status 0 when every stage worked, else 1.
@@ -70,6 +75,40 @@ SLURM_VARS = (
 )
 _LATENCY_ITERS = 20
 _BANDWIDTH_ITERS = 5
+#: the sweep's largest all-reduce: 64 MiB on CPU, 256 MiB on GPUs.
+SWEEP_MAX_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
+
+
+def sweep_sizes(max_bytes: int) -> list[int]:
+    """4 B, 8 B, ... doubling up to ``max_bytes`` (pure)."""
+    sizes, size = [], 4
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def sweep_iters(size: int) -> int:
+    """Timed all-reduces per size: more for small messages, whose times are noisier (pure)."""
+    return 20 if size <= 2**20 else 10 if size <= 16 * 2**20 else 5
+
+
+def level_members(hosts_by_rank: list[str]) -> dict[str, list[int]]:
+    """Ranks of each network level from every rank's host name, in rank order (pure).
+
+    ``intra``: the ranks on rank 0's host (when two or more); ``inter``: the lowest rank of each
+    host (when two hosts or more).
+    """
+    hosts: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts_by_rank):
+        hosts.setdefault(host, []).append(rank)
+    first = hosts[hosts_by_rank[0]] if hosts_by_rank else []
+    levels = {}
+    if len(first) >= 2:
+        levels["intra"] = first
+    if len(hosts) >= 2:
+        levels["inter"] = sorted(ranks[0] for ranks in hosts.values())
+    return levels
 
 
 def error_line(exc: BaseException) -> str:
@@ -229,6 +268,8 @@ def probe(out_dir: Path, environ: Mapping[str, str], *, timeout_s: float, megaby
         n = env.world_size
         result.update(bytes=size, time_s=seconds, algbw_gbps=size / seconds / 1e9,
                       busbw_gbps=(2 * (n - 1) / n) * size / seconds / 1e9 if n > 1 else size / seconds / 1e9)
+        report.save("allreduce")
+        report.data["sweep"] = sweep_levels(env.rank, device, sync)
         dist.barrier()
         dist.destroy_process_group()  # a gloo group alive at exit may abort the process (torch 2.14)
     except Exception as e:
@@ -236,8 +277,45 @@ def probe(out_dir: Path, environ: Mapping[str, str], *, timeout_s: float, megaby
         report.save("allreduce")
         return 1
     report.data["done"] = True
-    report.save("allreduce")
+    report.save("sweep")
     return 0 if result["correct"] else 1
+
+
+def sweep_levels(rank: int, device: Any, sync: Any) -> dict[str, Any]:
+    """Time all-reduces of every :func:`sweep_sizes` size on each network level this rank belongs to.
+
+    Every rank creates every level's group (``new_group`` is collective); the members of a level
+    sweep while the others wait at a barrier. Returns ``{"levels": {level: {ranks, hosts, points}},
+    "skipped": {level: why}}`` with this rank's (bytes, median seconds) points.
+    """
+    import torch
+    import torch.distributed as dist
+
+    layout: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(layout, socket.gethostname())
+    members = level_members([str(h) for h in layout])
+    out: dict[str, Any] = {"levels": {}, "skipped": {}}
+    if "intra" not in members:
+        out["skipped"]["intra"] = "one rank per node: no two ranks share a node"
+    if "inter" not in members:
+        out["skipped"]["inter"] = "one node: no all-reduce crosses nodes"
+    sizes = sweep_sizes(SWEEP_MAX_BYTES[device.type if device.type in SWEEP_MAX_BYTES else "cpu"])
+    for level in ("intra", "inter"):
+        if level not in members:
+            continue
+        ranks = members[level]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            buffer = torch.ones(sizes[-1] // 4, dtype=torch.float32, device=device)
+            points = []
+            for size in sizes:
+                view = buffer[: size // 4]
+                dist.all_reduce(view, group=group)  # warm-up: connections, buffers
+                points.append([size, _timed(lambda v=view, g=group: dist.all_reduce(v, group=g), sweep_iters(size), sync)])
+            del buffer
+            out["levels"][level] = {"ranks": ranks, "hosts": sorted({str(layout[r]) for r in ranks}), "points": points}
+        dist.barrier()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,11 @@ END_FIELDS = ("status", "steps", "samples_per_s", "wall_time_s", "time")
 RANK_SUMMARY_FIELDS = ("rank", "host", "device", "samples_per_s", "peak_memory_bytes")
 #: Rank-summary fields written only when measured: the GPU energy in joules (NVML, cyclone_kit.runtime.power).
 RANK_SUMMARY_OPTIONAL_FIELDS = ("energy_j",)
+#: Rank-summary fields of the cores a rank really had (written when known): ``cpu_cores`` (how many CPUs its
+#: affinity allows), ``cpu_set`` (which, as ``0-3,8``), ``machine_id`` (the kernel's boot id: ranks of several
+#: Slurm nodes with one machine id share one machine's cores, as on an emulated cluster) and ``threads``
+#: (torch's compute threads in the rank).
+RANK_SUMMARY_CPU_FIELDS = ("cpu_cores", "cpu_set", "machine_id", "threads")
 #: kind -> the fields a record of that kind must carry.
 FIELDS: Mapping[str, tuple[str, ...]] = {"start": START_FIELDS, "step": STEP_FIELDS, "epoch": EPOCH_FIELDS,
                                          "end": END_FIELDS}
@@ -113,13 +118,44 @@ def end_record(status: str, steps: int, samples_per_s: float | None, wall_time_s
 
 
 def rank_summary(rank: int, host: str, device: str, samples_per_s: float | None,
-                 peak_memory_bytes: int | None, energy_j: float | None = None) -> dict[str, Any]:
-    """A rank's summary (``ranks/rank-NNNNN.json``; pure); ``energy_j`` only when measured."""
+                 peak_memory_bytes: int | None, energy_j: float | None = None,
+                 cpu: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A rank's summary (``ranks/rank-NNNNN.json``; pure); ``energy_j`` only when measured.
+
+    ``cpu``: the :data:`RANK_SUMMARY_CPU_FIELDS` the rank found (others are ignored).
+    """
     summary = {"rank": rank, "host": host, "device": device, "samples_per_s": samples_per_s,
                "peak_memory_bytes": peak_memory_bytes}
     if energy_j is not None:
         summary["energy_j"] = energy_j
+    summary.update({k: v for k, v in dict(cpu or {}).items() if k in RANK_SUMMARY_CPU_FIELDS and v is not None})
     return summary
+
+
+def cpu_set_text(cpus: Sequence[int]) -> str:
+    """``0-3,8``: a CPU set in the kernel's list format (pure)."""
+    ids, parts = sorted(set(cpus)), []
+    start = prev = None
+    for cpu in [*ids, None]:
+        if cpu is not None and prev is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = cpu
+    return ",".join(parts)
+
+
+def cpu_set_ids(text: str) -> set[int]:
+    """The CPU ids of ``0-3,8`` (pure; empty for an empty or malformed text)."""
+    ids: set[int] = set()
+    try:
+        for part in filter(None, str(text).split(",")):
+            low, _, high = part.partition("-")
+            ids.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        return set()
+    return ids
 
 
 def missing_fields(rec: Mapping[str, Any]) -> tuple[str, ...]:

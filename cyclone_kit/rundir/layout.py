@@ -16,6 +16,7 @@ the metrics contract, :mod:`cyclone_kit.rundir.contract`; the failure record's c
       logs/               scheduler and per-rank logs (rank-N.out / rank-N.err)
       checkpoints/        checkpoints (cyclone_kit.runtime.checkpoint)
       submitit/           submitit's own folder; submitit_job holds its job id
+      network.json        a doctor run's network figures (RunDir.network; cyclone_kit.rundir.network)
 
     STUDY_DIR/            a sweep (StudyDir): sweep.json, submitted.json, report.sbatch, logs/,
       <point>/            and one run directory per point
@@ -63,6 +64,7 @@ REPORT_DIR = "report"
 CANCEL_FILE = "cancel_requested"
 USER_SCRIPT_DIR = "script"  # the copy of a user's training script (cyclone_kit/script.py)
 SHIM_FILE = "shim.jsonl"  # the launch shim's start/end records (cyclone_kit/launch.py)
+NETWORK_FILE = "network.json"  # doctor's all-reduce figures per network level (cyclone_kit/rundir/network.py)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,11 @@ class RunDir:
     def shim(self) -> Path:
         """``shim.jsonl``: rank 0's launch-shim start/end records of a user script (one pair a segment)."""
         return self.path / SHIM_FILE
+
+    @property
+    def network(self) -> Path:
+        """``network.json``: a doctor run's all-reduce latency and bus bandwidth per level (rundir/network.py)."""
+        return self.path / NETWORK_FILE
 
     def user_script_copy(self, name: str) -> Path:
         """``script/<name>``: the copy of the user's training script taken at submission."""

@@ -9,9 +9,12 @@ flushed per line (a crash loses at most the line being written). Error records b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -19,6 +22,7 @@ from cyclone_kit.rundir.contract import (
     METRICS_FILE,
     SCHEMA,
     STATUSES,
+    cpu_set_text,
     end_record,
     epoch_record,
     rank_summary,
@@ -96,9 +100,23 @@ def write_rank_summary(run_dir: Path, rank: int, host: str, device: str, samples
     """
     path = RunDir(run_dir).rank_summary(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    summary = rank_summary(rank, host, device, samples_per_s, peak_memory_bytes, energy_j=energy_j)
+    summary = rank_summary(rank, host, device, samples_per_s, peak_memory_bytes, energy_j=energy_j, cpu=cpu_facts())
     write_atomic(path, json.dumps(summary) + "\n")
     return path
+
+
+def cpu_facts() -> dict[str, Any]:
+    """The cores this process may run on (its affinity), the machine's boot id and torch's threads (what is known)."""
+    facts: dict[str, Any] = {}
+    with contextlib.suppress(AttributeError, OSError):
+        cpus = os.sched_getaffinity(0)
+        facts.update(cpu_cores=len(cpus), cpu_set=cpu_set_text(sorted(cpus)))
+    with contextlib.suppress(OSError):
+        facts["machine_id"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    torch = sys.modules.get("torch")  # the rank's compute threads, where torch runs in this process
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        facts["threads"] = int(torch.get_num_threads())
+    return facts
 
 
 def _finite(value: Any) -> Any:

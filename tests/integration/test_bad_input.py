@@ -7,6 +7,7 @@ test's temporary directory.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -24,6 +25,11 @@ def slurm_env(nodelist: str) -> dict[str, str]:
             "SLURM_STEP_NODELIST": nodelist, "SLURM_NODELIST": nodelist}
 
 
+RESNET50 = str(REPO / "jobs" / "resnet50_imagenet.toml")
+#: network figures doctor measured on the local test cluster's CPU partition.
+LOCAL_NETWORK = json.dumps({"kind": "network", "schema": 1, "source": "measured", "cluster": "local", "partition": "cpu",
+                            "device": "cpu", "backend": "gloo",
+                            "levels": {"inter": {"alpha_s": 6e-4, "busbw_gbps": 0.94, "ranks": 2, "nodes": 2}}})
 GOOD_PROFILE = '[partitions.gpu]\nnodes = 2\ncpus_per_node = 8\ngpus_per_node = 4\ndefault = true\n'
 
 CASES: list[tuple[str, dict[str, str], list[str], dict[str, str]]] = [
@@ -164,6 +170,20 @@ CASES: list[tuple[str, dict[str, str], list[str], dict[str, str]]] = [
      ["report", "{d}/runs/r", "-o", "{d}/out"], {}),
     ("report-corrupt-only-metrics", {"runs/r/spec.json": "{}", "runs/r/metrics.jsonl": '{not json\n\x00\x01\n{"kind": "st'},
      ["report", "{d}/runs/r", "-o", "{d}/out"], {}),
+    # ---- predict (issue 23): unknown model, ranks that do not divide the GPUs, network figures from elsewhere
+    ("predict-unknown-model", {"m.toml": "[train]\nmodel = 'resnet152'\n"},
+     ["predict", "{d}/m.toml", "--profile", "cyclone", "--partition", "gpu"], {}),
+    ("predict-tasks-not-dividing-gpus", {}, ["predict", RESNET50, "--partition", "gpu", "--ntasks-per-node", "3"], {}),
+    ("predict-nodes-beyond-partition", {}, ["predict", RESNET50, "--partition", "gpu", "--nodes", "1,32"], {}),
+    ("predict-nodes-not-a-list", {}, ["predict", RESNET50, "--partition", "gpu", "--nodes", "1,two"], {}),
+    ("predict-network-other-cluster", {"network.json": LOCAL_NETWORK},
+     ["predict", RESNET50, "--partition", "gpu", "--network", "{d}/network.json"], {}),
+    ("predict-network-other-device", {"network.json": LOCAL_NETWORK},
+     ["predict", RESNET50, "--profile", "local", "--partition", "gpu", "--network", "{d}/network.json"], {}),
+    ("predict-network-not-one", {"network.json": "{}"},
+     ["predict", RESNET50, "--partition", "gpu", "--network", "{d}/network.json"], {}),
+    ("predict-no-figures", {}, ["predict", RESNET50, "--profile", "local", "--partition", "cpu"], {}),
+    ("predict-missing-target", {}, ["predict", "{d}/nothing-here"], {}),
 ]
 
 

@@ -105,6 +105,7 @@ def test_what_the_runtime_writes_is_what_the_analysis_reads(real_run: RunDir) ->
     assert len(read_ranks) == len(summaries) == 2
     for written, read in zip(summaries, read_ranks, strict=True):
         assert all(_same(written[f], read[f]) for f in contract.RANK_SUMMARY_FIELDS), (written, read)
+        assert all(_same(written[f], read[f]) for f in contract.RANK_SUMMARY_CPU_FIELDS), (written, read)
 
 
 def test_synthetic_studies_are_generated_through_the_same_contract() -> None:

@@ -9,7 +9,9 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
+from cyclone_kit.rundir import contract as mx_contract
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.signals import (
     NONE,
@@ -87,8 +89,14 @@ def test_end_status_is_checked() -> None:
 
 def test_rank_summary_and_error_record(tmp_path: Path) -> None:
     p = mx.write_rank_summary(tmp_path, 3, "gpu01", "cuda:3", 250.0, 1 << 30)
-    assert json.loads(p.read_text()) == {"rank": 3, "host": "gpu01", "device": "cuda:3", "samples_per_s": 250.0,
-                                         "peak_memory_bytes": 1 << 30}
+    summary = json.loads(p.read_text())
+    cpu = {k: summary.pop(k) for k in mx_contract.RANK_SUMMARY_CPU_FIELDS}
+    assert summary == {"rank": 3, "host": "gpu01", "device": "cuda:3", "samples_per_s": 250.0,
+                       "peak_memory_bytes": 1 << 30}
+    assert cpu["cpu_cores"] == len(os.sched_getaffinity(0)) and mx_contract.cpu_set_ids(cpu["cpu_set"]) == \
+        os.sched_getaffinity(0)
+    assert cpu["machine_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert cpu["threads"] == torch.get_num_threads()
     try:
         raise RuntimeError("boom")
     except RuntimeError as e:
@@ -149,3 +157,9 @@ def test_stop_agreement_two_ranks_poll_at_the_same_steps_and_stop_together(tmp_p
     steps = json.loads(polls)
     gaps = [b - a for a, b in itertools.pairwise(steps)]
     assert max(gaps) > 1, f"polls were not spaced out: {polls}"
+
+
+def test_cpu_sets_round_trip_in_the_kernel_list_format() -> None:
+    assert mx_contract.cpu_set_text([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+    assert mx_contract.cpu_set_ids("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    assert mx_contract.cpu_set_text([]) == "" and mx_contract.cpu_set_ids("x-1") == set()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.core.proc import run_command
+from cyclone_kit.rundir.network import load_network
 from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slurm
@@ -46,7 +47,7 @@ def test_local_profile_passes_with_a_measured_allreduce(slurm_cluster: dict, tmp
     rc, checks, stderr = doctor("--profile", "local", "--partition", "cpu", "--nodes", "2", runs=tmp_path)
     failed = [c for c in checks if c["ok"] is False]
     assert rc == 0, failed
-    assert all(set(c) == {"check", "ok", "detail", "hint"} for c in checks)
+    assert all(set(c) == {"check", "ok", "detail", "hint"} for c in checks if c["check"] != "network_figures")
     passed = [c["check"] for c in checks if c["ok"] is True]
     assert len(passed) >= 6
     for name in ("partition", "nodes", "cpus", "smoke_job", "python", "torch_import", "bootstrap", "allreduce", "network"):
@@ -63,6 +64,23 @@ def test_local_profile_passes_with_a_measured_allreduce(slurm_cluster: dict, tmp
     script = (run_dir / "job.sbatch").read_text()
     assert "#SBATCH --partition=cpu" in script and "-m cyclone_kit.doctor.probe" in script
     assert sorted(p.name for p in (run_dir / "doctor").glob("rank-*.json")) == ["rank-0.json", "rank-1.json"]
+    # the all-reduce sweep across the nodes, fitted and saved (issue 23): --json and network.json agree
+    figures = by_name(checks)["network_figures"]
+    assert figures["ok"] is True and "inter-node (2 ranks)" in figures["detail"]
+    saved = load_network(run_dir)
+    assert saved.to_dict() == figures["data"] and saved.level("intra") is None
+    inter = saved.level("inter")
+    assert [s for s, _ in inter.points][::8] == [4, 1024, 262144, 67108864] and inter.busbw_gbps > 0
+
+
+def test_two_tasks_per_node_measure_both_network_levels(slurm_cluster: dict, tmp_path: Path) -> None:
+    rc, checks, _ = doctor("--profile", "local", "--partition", "cpu", "--nodes", "2", "--ntasks-per-node", "2",
+                           runs=tmp_path)
+    assert rc == 0, [c for c in checks if c["ok"] is False]
+    (run_dir,) = tmp_path.glob("ck-doctor-*")
+    saved = load_network(run_dir)
+    assert saved.level("intra").ranks == 2 and saved.level("intra").nodes == 1
+    assert saved.level("inter").ranks == 2 and saved.level("inter").nodes == 2
 
 
 def test_text_output_has_one_row_per_check(slurm_cluster: dict, tmp_path: Path) -> None:

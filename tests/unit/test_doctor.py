@@ -399,7 +399,7 @@ def test_doctor_script_extends_the_base_template() -> None:
     if os.environ.get("CK_REGEN_GOLDEN") == "1":
         golden.write_text(text)
     assert text == golden.read_text()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --gres=gpu:4", "#SBATCH --account=p163", "#SBATCH --time=00:01:00",
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gres=gpu:4", "#SBATCH --account=p163", "#SBATCH --time=00:03:00",
                  "module load CUDA/12.1.1", "source $HOME/venvs/torch/bin/activate", "--cpu-bind=cores",
                  "-m cyclone_kit.doctor.probe --out"):
         assert line in text

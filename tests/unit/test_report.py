@@ -91,7 +91,7 @@ def test_html_is_self_contained(report) -> None:
     assert "<link" not in page and "<script" not in page
     for source in sources:
         assert base64.b64decode(source.split(",", 1)[1])[:8] == PNG_MAGIC
-    assert page.count("<img") == len(PLOT_STEMS)
+    assert page.count("<img") == len(PLOT_STEMS) + 1  # + the study's "where the time goes" breakdown
 
 
 def test_markdown_has_setup_table_baselines_incomplete_runs_and_warnings(report) -> None:
