@@ -21,7 +21,9 @@ Rules (each has a test that triggers it and asserts the bogus line is gone):
 4. **Short measurements.** A point whose runs were timed over fewer than
    :data:`MIN_STEADY_WINDOWS` steady-state windows (step records after the first one of each
    completed segment, which is the warm-up) or less than :data:`MIN_MEASURED_S` seconds of
-   steady state is marked: its throughput is too noisy to trust.
+   steady state is marked: its throughput is too noisy to trust. A time-to-solution run (a
+   script without ``ck.log_step``: no step records) is timed by the launch shim over the whole
+   script, start-up included: it is marked when that wall time is under :data:`MIN_MEASURED_S`.
 5. **Baselines.** A comparison with an external baseline states what differs (model, dataset,
    device, precision, per-device batch). A headline ratio is given only like for like: the same
    model and precision (both stated) and, when the baseline states it, the same per-device batch.
@@ -207,6 +209,17 @@ def measurement_spans(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
             windows[str(run_dir)] = len(group)
             seconds[str(run_dir)] = float(group["seconds"].sum())
     return pd.DataFrame([(k, windows[k], seconds[k]) for k in keys], columns=columns)
+
+
+#: The strategy label of a script timed as a whole by the launch shim (cyclone_kit/runtime/launch.py).
+TIME_TO_SOLUTION = "time-to-solution"
+
+
+def short_solution(wall_time_s: float) -> str:
+    """Why a time-to-solution run is too short to trust ('' when long enough; pure)."""
+    if math.isnan(wall_time_s) or wall_time_s < MIN_MEASURED_S:
+        return f"{wall_time_s:.1f} s of wall time for the whole script (need {MIN_MEASURED_S:g} s)"
+    return ""
 
 
 def short_measurement(windows: int, seconds: float) -> str:
@@ -431,8 +444,12 @@ def review(
         mine = complete[(complete["study"] == study) & (complete["strategy"] == strategy)
                         & (complete["world_size"] == n)]
         problems = []
-        for run_dir in mine["run_dir"].astype(str):
-            if run_dir in by_run.index:
+        for run_dir, wall in zip(mine["run_dir"].astype(str), mine["wall_time_s"], strict=True):
+            if strategy == TIME_TO_SOLUTION:  # no step records: the shim's wall time of the whole script
+                problem = short_solution(float(wall))
+                if problem:
+                    problems.append(problem)
+            elif run_dir in by_run.index:
                 span = by_run.loc[run_dir]
                 problem = short_measurement(int(span["steady_windows"]), float(span["measured_s"]))
                 if problem:

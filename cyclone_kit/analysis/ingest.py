@@ -90,6 +90,8 @@ RUN_COLUMNS = (
     "corrupt_lines",
     "unsupported_lines",
     "truncated",
+    "samples_per_run",
+    "warning",
     "metrics_path",
 )
 
@@ -341,6 +343,10 @@ def summarize_run(parsed: ParsedMetrics) -> dict[str, Any]:
         reason = f"ended with status {status!r}"
     elif not completed:
         reason = "end record has no samples_per_s"
+    # the launch shim's finding (e.g. "4 ranks ran as 4 independent copies"): not a point of a scaling study
+    warning = str(last_end.get("warning") or "") if last_end is not None else ""
+    if not reason and warning:
+        reason = f"not a scaling measurement: {warning}"
     complete = reason == ""
 
     steps = _integer(last_end.get("steps")) if last_end is not None else None
@@ -388,6 +394,8 @@ def summarize_run(parsed: ParsedMetrics) -> dict[str, Any]:
         "corrupt_lines": parsed.corrupt_lines,
         "unsupported_lines": parsed.unsupported_lines,
         "truncated": parsed.truncated,
+        "samples_per_run": _integer(first.get("samples_per_run")),
+        "warning": warning,
     }
 
 

@@ -46,6 +46,27 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return f"{float(value):,.{digits}f}"
 
 
+def _rate(value: Any) -> str:
+    """A rate: 1 decimal from 100 up, else 3 significant digits (0.0417 solutions/s is not 0.0)."""
+    if value is None or pd.isna(value):
+        return ""
+    return _fmt(value) if abs(float(value)) >= 100 else f"{float(value):.3g}"
+
+
+def _solution_cost(strategy: str, study_runs: pd.DataFrame) -> tuple[float, str]:
+    """(factor, unit) turning ``device_hours_per_1m_samples`` into what it means for this strategy.
+
+    A time-to-solution "sample" is one whole run of the script: its cost is per solution, or per
+    1M samples when the runs say how many samples one run processes (``[script] samples_per_run``).
+    """
+    if strategy != "time-to-solution":
+        return 1.0, "per 1M samples"
+    told = pd.to_numeric(study_runs.get("samples_per_run", pd.Series(dtype=float)), errors="coerce").dropna()
+    if not told.empty and float(told.iloc[0]) > 0:
+        return 1.0 / float(told.iloc[0]), "per 1M samples"
+    return 1e-6, "per solution"
+
+
 def _pct(value: Any) -> str:
     """A fraction as a percentage, or empty."""
     return "" if value is None or pd.isna(value) else f"{100.0 * float(value):.1f} %"
@@ -98,12 +119,12 @@ def _setup_table(runs: pd.DataFrame) -> Table:
     return Table(("setting", "value"), tuple((k, v or "-") for k, v in rows))
 
 
-def _scaling_rows(table: pd.DataFrame, checks: Review) -> Table:
+def _scaling_rows(table: pd.DataFrame, checks: Review, cost: tuple[float, str] = (1.0, "per 1M samples")) -> Table:
     """The scaling table of one study, formatted, with the honesty notes of each point."""
     header = (
         "N", "nodes", "per-device batch", "global batch", "runs", "samples/s (median)",
         "min - max", "samples/s per device", "speed-up", "efficiency", "Karp-Flatt e",
-        "device-h / 1M samples", "notes",
+        f"device-h {cost[1].replace('per ', '/ ')}", "notes",
     )
     rows = []
     for _, row in table.iterrows():
@@ -115,13 +136,13 @@ def _scaling_rows(table: pd.DataFrame, checks: Review) -> Table:
                 _fmt(row["per_device_batch_size"], 0),
                 _fmt(row["global_batch_size"], 0),
                 str(int(row["runs"])),
-                _fmt(row["samples_per_s"]),
-                f"{_fmt(row['samples_per_s_min'])} - {_fmt(row['samples_per_s_max'])}",
-                _fmt(row["samples_per_s_per_device"]),
+                _rate(row["samples_per_s"]),
+                f"{_rate(row['samples_per_s_min'])} - {_rate(row['samples_per_s_max'])}",
+                _rate(row["samples_per_s_per_device"]),
                 f"{float(row['speedup']):.2f}",
                 _pct(row["efficiency"]),
                 "" if pd.isna(row["karp_flatt"]) else f"{float(row['karp_flatt']):.4f}",
-                _hours(row["device_hours_per_1m_samples"]),
+                _hours(row["device_hours_per_1m_samples"] * cost[0]),
                 "; ".join(notes),
             )
         )
@@ -297,13 +318,21 @@ def _study_blocks(study: str, runs: pd.DataFrame, table: pd.DataFrame, fits: Seq
     modes = ", ".join(sorted(set(study_table["mode"]))) or "unknown"
     blocks.append(Paragraph(f"Mode: {modes} scaling. Baseline N0 = the smallest world size measured."))
     blocks += [Heading(3, "Setup"), _setup_table(study_runs)]
+    copies = study_runs[study_runs.get("warning", pd.Series("", index=study_runs.index)).fillna("") != ""]
+    if not copies.empty:  # the launch shim saw ranks that never formed one process group
+        blocks.append(Paragraph(
+            f"Not a scaling study as run: {len(copies)} run(s) did not train as one job "
+            f"({copies['warning'].iloc[0]}). Those runs are left out of every table, fit and plot."))
     for strategy, group in study_table.groupby("strategy", sort=False):
-        blocks += [Heading(3, f"Scaling table ({strategy})"), _scaling_rows(group, checks)]
-        if strategy == "time-to-solution":  # a user script without ck.log_step (cyclone_kit/launch.py)
+        cost = _solution_cost(str(strategy), study_runs)
+        blocks += [Heading(3, f"Scaling table ({strategy})"), _scaling_rows(group, checks, cost)]
+        if strategy == "time-to-solution":  # a user script without ck.log_step (runtime/launch.py)
             blocks.append(Paragraph(
                 "Time to solution: the script logged no steps, so its throughput is solutions per second "
                 "(1 / the whole script's wall time, from the launch shim) and speed-up = T(N0) / T(N) for the "
-                "same work. Add ck.log_step for samples/s."))
+                "same work. Start-up is included in every time (interpreter, imports, process-group set-up, "
+                f"data loading), so short runs understate the speed-up. Cost is device-hours {cost[1]}. "
+                "Add ck.log_step for steady-state samples/s."))
         fit = next((f for f in fits if f.study == study and f.strategy == strategy), None)
         if fit is not None:
             blocks.append(Paragraph(_fit_text(fit, checks.fit(str(study), str(strategy)), study_runs)))
@@ -527,25 +556,27 @@ def _cost_blocks(
         one = _unit(study_runs, 1)
         base = group.loc[group["world_size"].idxmin()]
         n0 = int(base["world_size"])
+        factor, per = _solution_cost(str(strategy), study_runs)
+        what = "one solution (a whole run of the script) takes" if per == "per solution" else "1M samples take"
         sentences = [
-            f"{study} ({strategy}): at N0 = {n0} {_unit(study_runs, n0)}, 1M samples take "
-            f"{_hours(base['device_hours_per_1m_samples'])} {one}-hours."
+            f"{study} ({strategy}): at N0 = {n0} {_unit(study_runs, n0)}, {what} "
+            f"{_hours(base['device_hours_per_1m_samples'] * factor)} {one}-hours."
         ]
         for _, row in group[group["world_size"] != n0].iterrows():
             n = int(row["world_size"])
             sentences.append(
                 f"{n} {_unit(study_runs, n)} are {float(row['speedup']):.2f} times as fast for "
-                f"{float(row['relative_cost']):.2f} times the {one}-hours per sample "
-                f"({_hours(row['device_hours_per_1m_samples'])} per 1M samples)."
+                f"{float(row['relative_cost']):.2f} times the {one}-hours {per.replace('1M samples', 'sample')} "
+                f"({_hours(row['device_hours_per_1m_samples'] * factor)} {per})."
             )
         fit = next((f for f in fits if f.study == study and f.strategy == strategy), None)
         verdict = checks.fit(str(study), str(strategy))
         if fit is not None and verdict is not None and verdict.targets():
             predicted = fit.predict(list(verdict.targets()))
-            per_million = float(base["device_hours_per_1m_samples"])
+            per_million = float(base["device_hours_per_1m_samples"]) * factor
             sentences.append("Predicted by the " + fit.law.capitalize() + " fit (extrapolation): " + "; ".join(
                 f"{n} {_unit(study_runs, n)}: {s:.2f} times as fast for {n / n0 / s:.2f} times the cost "
-                f"({per_million * n / n0 / s:.3g} {one}-hours per 1M samples)"
+                f"({per_million * n / n0 / s:.3g} {one}-hours {per})"
                 for n, s in zip(verdict.targets(), predicted, strict=True)
             ) + ".")
         elif fit is not None and verdict is not None and not verdict.meaningful:

@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from cyclone_kit.backends.base import JobHandle
 from cyclone_kit.backends.base import log_files as run_log_files
-from cyclone_kit.backends.local_env import available_cores, rank_environments, threads_per_rank
+from cyclone_kit.backends.local_env import available_cores, rank_environments, threads_per_rank, working_directory
 from cyclone_kit.backends.srun_emulator import GRACE_S, failure_record, format_failure, launch
 from cyclone_kit.core.errors import RankFailure, ValidationError
 from cyclone_kit.rundir import failures
@@ -59,7 +59,8 @@ class LocalBackend:
         threads = threads_per_rank(nproc, available_cores())
         rd.set_threads(threads)
         result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=rank_argv(job.spec, rd.path))
+                        grace_s=self.grace_s, command=rank_argv(job.spec, rd.path),
+                        cwd=working_directory(job.spec))
         rd.write_submission(result.job_id, self.name)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")

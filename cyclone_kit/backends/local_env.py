@@ -14,6 +14,7 @@ import secrets
 import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.core.malloc import malloc_environment
@@ -120,6 +121,7 @@ def rank_environments(
     run_dir: Path | str,
     job_name: str = "cyclone",
     base: Mapping[str, str] | None = None,
+    submit_dir: str | None = None,
 ) -> list[dict[str, str]]:
     """The environment of every rank, as srun would set it for ``nodes`` x ``nproc/nodes`` tasks (pure).
 
@@ -159,7 +161,7 @@ def rank_environments(
         "SLURM_STEP_NUM_NODES": str(nodes),
         "SLURM_STEP_NUM_TASKS": str(nproc),
         "SLURM_STEP_TASKS_PER_NODE": tpn,
-        "SLURM_SUBMIT_DIR": os.getcwd(),
+        "SLURM_SUBMIT_DIR": submit_dir or os.getcwd(),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(master_port),
         "OMP_NUM_THREADS": str(threads),
@@ -180,6 +182,12 @@ def rank_environments(
             "SLURM_TOPOLOGY_ADDR": hosts[node],
         })
     return envs
+
+
+def working_directory(spec: Any) -> str | None:
+    """A script job's working directory (``script.chdir``: where it was submitted, or ``--chdir``); None: ours (pure)."""
+    script = getattr(spec, "script", None)
+    return (script.chdir or None) if script is not None else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

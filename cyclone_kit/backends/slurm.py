@@ -67,10 +67,11 @@ class SlurmBackend:
         """Run a Slurm command without raising on a non-zero exit."""
         return run_command(argv, timeout=self.timeout, check=False, cwd=cwd)
 
-    def submit(self, script_path: Path, run_dir: Path, *, after: Sequence[str] = ()) -> str:
-        """Submit ``script_path`` with ``sbatch --parsable`` from ``run_dir``; return the job id.
+    def submit(self, script_path: Path, run_dir: Path, *, after: Sequence[str] = (), cwd: Path | None = None) -> str:
+        """Submit ``script_path`` with ``sbatch --parsable`` from ``cwd`` (default ``run_dir``); return the job id.
 
-        Relative paths in the script's ``#SBATCH`` lines (``--output``) resolve against ``run_dir``.
+        ``cwd`` is the job's ``SLURM_SUBMIT_DIR`` (a script job's working directory, which its
+        batch script also ``cd``s into). The rendered ``#SBATCH --output`` paths are absolute.
         ``after``: job ids the job waits for (``sbatch --dependency=afterany:ID:ID``).
 
         Raises:
@@ -85,7 +86,7 @@ class SlurmBackend:
             raise ValidationError(f"run directory {run_dir} does not exist", hint="create it before submitting")
         extra = [f"--dependency={slurm_argv.dependency(after)}"] if after else []
         argv = slurm_argv.sbatch(script.resolve(), extra)
-        result = self._run(argv, cwd=run_dir)
+        result = self._run(argv, cwd=Path(cwd) if cwd else run_dir)
         if not result.ok:
             raise SlurmError(
                 f"sbatch rejected {script}: {_first_line(result.stderr or result.stdout)}",
@@ -96,7 +97,9 @@ class SlurmBackend:
     def submit_run(self, job: object, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
         """Submit a prepared run directory's ``job.sbatch`` and record the submission in it."""
         rd = RunDir(run_dir)
-        job_id = self.submit(rd.script, rd.path, after=after)
+        script = getattr(getattr(job, "spec", None), "script", None)
+        workdir = Path(script.chdir) if script is not None and script.chdir else None
+        job_id = self.submit(rd.script, rd.path, after=after, cwd=workdir)
         rd.write_submission(job_id, self.name)
         return JobHandle(job_id, self.name, rd.path)
 

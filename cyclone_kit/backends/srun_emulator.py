@@ -202,6 +202,7 @@ def launch(
     environ: Mapping[str, str] | None = None,
     extra_env: Mapping[str, str] | None = None,
     on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
+    cwd: Path | str | None = None,
 ) -> LaunchResult:
     """Start ``nproc`` ranks over ``nodes`` pretend nodes of this host and wait for them.
 
@@ -220,6 +221,7 @@ def launch(
             variables are removed).
         extra_env: variables set for every rank on top (e.g. ``CUDA_VISIBLE_DEVICES=""`` for CPU only).
         on_start: called with the rank processes once all are started.
+        cwd: the ranks' working directory (default: this process's; a script job's ``script.chdir``).
 
     Returns:
         The :class:`LaunchResult`; ``failure.json`` is written when it is not ok.
@@ -232,7 +234,7 @@ def launch(
     job_id = new_job_id()
     base = os.environ if environ is None else environ
     envs = rank_environments(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads,
-                             run_dir=run_dir, job_name=job_name, base=base)
+                             run_dir=run_dir, job_name=job_name, base=base, submit_dir=str(cwd) if cwd else None)
     envs = [{**env, **(extra_env or {})} for env in envs]
     slices = gpu_slices(visible_gpus({**base, **(extra_env or {})}), nproc, nodes)
     if slices is not None:  # each pretend node its own GPUs
@@ -273,7 +275,7 @@ def launch(
                 err = open(rd.rank_log(rank, "err"), "ab")  # noqa: SIM115
                 files += [out, err]
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, cwd=cwd)
                 procs.append(proc)
                 threading.Thread(target=_reap, args=(rank, proc, events), daemon=True).start()
             _write_launch_record(run_dir, job_id, procs, envs, threads, argv)

@@ -47,17 +47,41 @@ EXECUTORS = ("auto", "slurm", "local")
 def train(run_dir: str) -> int:
     """The callable submitit runs on every rank: train the run directory's ``spec.json``.
 
+    A failure (an exception, or a non-zero status) leaves ``failure.json`` in the run directory
+    (first writer wins; :func:`cyclone_kit.rundir.failures.record_rank_failure`).
+
     Raises:
         RankFailure: training returned a non-zero status (so the Slurm task, and the job, fail).
     """
     from cyclone_kit.runtime.__main__ import run_training
 
-    code = int(run_training(Path(run_dir)) or 0)
+    try:
+        code = int(run_training(Path(run_dir)) or 0)
+    except BaseException as e:
+        _record_failure(Path(run_dir), 1, e)
+        raise
     if code:
         rank = os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID") or "0"
+        _record_failure(Path(run_dir), code, None)
         raise RankFailure(f"training exited {code} on rank {rank}", hint=f"see {Path(run_dir) / 'logs'} and "
                           f"{Path(run_dir) / 'submitit'}")
     return code
+
+
+def _record_failure(run_dir: Path, code: int, error: BaseException | None) -> None:
+    """This rank's error record (unless the runtime wrote one) and ``failure.json`` (first writer wins)."""
+    import traceback
+
+    from cyclone_kit.rundir import failures
+
+    rank, host = failures.rank_guess(os.environ), failures.host_guess(os.environ)
+    with contextlib.suppress(OSError):
+        if error is not None and failures.read_error_record(run_dir, rank) is None:
+            failures.write_error_record(run_dir, rank, host, error, traceback.format_exc())
+        fallback = failures.death_record(rank, host, os.getpid(), code, failures.utc_now(),
+                                         os.environ.get("SLURM_JOB_ID"))
+        failures.record_rank_failure(run_dir, rank, written_by="submitit", job_id=os.environ.get("SLURM_JOB_ID"),
+                                     exit_code=code, fallback=fallback)
 
 
 def slurm_parameters(job: Any, run_dir: Path | str) -> dict[str, Any]:

@@ -28,6 +28,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def is_text(head: bytes) -> bool:
+    """Whether a file that starts with ``head`` is a text log (no NUL byte, mostly printable; pure).
+
+    A binary file in ``logs/`` (a TensorBoard event file, a pickle) is named, not printed.
+    """
+    if b"\0" in head:
+        return False
+    if not head:
+        return True
+    text = head.decode("utf-8", errors="replace")
+    odd = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\t\n\r\f\b\x1b"))
+    return odd <= len(text) // 20
+
+
 def _print_new(source, offsets: dict[Path, int], lines: int) -> bool:  # type: ignore[no-untyped-def]
     """Print what is new in the source's log files; True when any file has content."""
     seen = False
@@ -39,9 +53,16 @@ def _print_new(source, offsets: dict[Path, int], lines: int) -> bool:  # type: i
         seen = seen or bool(data)
         start = offsets.get(path, 0)
         if len(data) > start:
+            name = path.relative_to(source.base) if path.is_relative_to(source.base) else path
+            if start == 0 and not is_text(data[:8192]):
+                print(f"==> {name} <== binary file ({len(data)} bytes), not shown")
+                offsets[path] = -1  # named once; never printed
+                continue
+            if start < 0:  # a binary file, named once
+                continue
             text = data[start:].decode(errors="replace")
             if start == 0:
-                print(f"==> {path.relative_to(source.base) if path.is_relative_to(source.base) else path} <==")
+                print(f"==> {name} <==")
                 if lines:
                     text = "\n".join(text.splitlines()[-lines:]) + "\n"
             sys.stdout.write(text)
@@ -109,7 +130,8 @@ def _stop_footer(run_dir: Path, offsets: dict[Path, int]) -> None:
     if not end or end.get("status") not in ("cancelled", "preempted"):
         return
     said = f"{end.get('status')} at step {end.get('steps')}/"
-    text = "".join(p.read_text(errors="replace") for p in offsets if p.is_relative_to(rd.path) and p.is_file())
+    text = "".join(p.read_text(errors="replace") for p, at in offsets.items()
+                   if at >= 0 and p.is_relative_to(rd.path) and p.is_file())
     if said in text:
         return
     newest = rd.newest_checkpoint()

@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
     from cyclone_kit.backends.local import LocalBackend, local_job
-    from cyclone_kit.backends.local_env import gpu_slices, visible_gpus
+    from cyclone_kit.backends.local_env import gpu_slices, visible_gpus, working_directory
     from cyclone_kit.backends.srun_emulator import format_failure, launch
     from cyclone_kit.config.job import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.config.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
@@ -84,11 +84,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"run dir: {run_dir}")
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {rd.logs}", flush=True)
-    print(f"run dir: {run_dir}")
-    print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
-          f"logs in {rd.logs}", flush=True)
     result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
-                    command=rank_argv(job.spec, run_dir),
+                    command=rank_argv(job.spec, run_dir), cwd=working_directory(job.spec),
                     timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
                     extra_env={"CUDA_VISIBLE_DEVICES": ""} if args.cpu else None)
     rd.write_submission(result.job_id, LocalBackend.name)
@@ -96,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         status = rd.end_status() or "ended"
         hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""
         print(f"{status} in {result.wall_time_s:.1f} s; metrics: {rd.metrics}{hint}")
+        if rd.script_warning():
+            print(f"warning: {rd.script_warning()}")
         return 0
     if result.first_failure is None:
         sys.stderr.write(f"error: interrupted; every rank was stopped. HINT: see {rd.failure}\n")

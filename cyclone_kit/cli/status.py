@@ -43,12 +43,14 @@ def run(args: argparse.Namespace) -> int:
         elif target.kind == "report":
             print(f"report job of study {target.path}")
         rows = lookup.rows(target)
+        runs = _run_dirs(target.kind, target.path)
     else:
         found = find_runs(runs_dir)[:20]
         if not found:
             raise ValidationError(f"no runs found under {args.runs_dir!r}",
                                   hint="give a job id, a run directory or a study directory")
         rows = [lookup.run_row(p) for p in found]
+        runs = found
     for row in rows:
         if row.root_cause:
             print(f"root cause ({row.job_id} {row.name}): {row.root_cause}")
@@ -60,8 +62,28 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         if row.note:
             print(row.note)
+    _script_warnings(runs)
     failed = [r for r in rows if r.failed]
     if failed:
         print(f"{len(failed)} of {len(rows)} job(s) failed: {', '.join(f'{r.job_id} ({r.state.value})' for r in failed)}")
         return 1
     return 0
+
+
+def _run_dirs(kind: str, path: Path | None) -> list[Path]:
+    """The run directories a target shows: one run, or every point of a study."""
+    from cyclone_kit.rundir.layout import StudyDir
+
+    if path is None or kind not in ("run", "study"):
+        return []
+    return [rd.path for rd in StudyDir(path).point_dirs()] if kind == "study" else [path]
+
+
+def _script_warnings(runs: list[Path]) -> None:
+    """What the launch shim found wrong with a script run (``N ranks ran as N independent copies``)."""
+    from cyclone_kit.rundir.layout import RunDir
+
+    for run in runs:
+        warning = RunDir(run).script_warning()
+        if warning:
+            print(f"warning ({Path(run).name}): {warning}")

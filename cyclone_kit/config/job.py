@@ -191,6 +191,12 @@ class ScriptConfig:
     (filled per job by :func:`fill_script_args`). ``batch_size`` is the per-device batch the
     script trains with, when known (records, sweeps, ``{per_device_batch_size}``); 0: not told.
     ``sha256`` is the content hash of the script file recorded at submission.
+    ``chdir`` is the job's working directory (absolute once resolved; default: the folder
+    ``submit`` ran in, as ``sbatch`` does), so the script's relative paths (``./data``,
+    ``./ckpt.pt``) mean what they mean where it was submitted. ``live`` runs the script file
+    itself on every segment instead of the run directory's snapshot of it (taken at submission).
+    ``samples_per_run`` is how many samples one run of the script processes (time-to-solution
+    reports: cost per sample); 0: not told.
     """
 
     path: str = ""
@@ -198,6 +204,9 @@ class ScriptConfig:
     args: tuple[str, ...] = ()
     batch_size: int = 0
     sha256: str = ""
+    chdir: str = ""
+    live: bool = False
+    samples_per_run: int = 0
 
     def __post_init__(self) -> None:
         if bool(self.path) == bool(self.module):
@@ -215,6 +224,10 @@ class ScriptConfig:
             if "\0" in arg:
                 raise ValidationError(f"script argument {arg!r} contains NUL", hint="remove it")
         check_non_negative("script.batch_size", self.batch_size)
+        check_non_negative("script.samples_per_run", self.samples_per_run)
+        if "\n" in self.chdir or "\0" in self.chdir:
+            raise ValidationError(f"script.chdir {self.chdir!r} contains a line break or NUL",
+                                  hint="give another working directory")
         if self.sha256 and (len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256)):
             raise ValidationError(f"script.sha256 {self.sha256!r} is not a SHA-256 hex digest",
                                   hint="drop it: cyclone_kit records the hash itself")

@@ -45,13 +45,26 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, with_resources: bool =
         parser.add_argument("--partition", help="Slurm partition (default: the spec's, else the profile's default)")
         parser.add_argument("--nodes", type=int, help="number of nodes")
         parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: all of the node's)")
-        parser.add_argument("--ntasks-per-node", type=int, help="tasks per node (srun: one per GPU)")
+        parser.add_argument("--ntasks-per-node", "--nproc-per-node", dest="ntasks_per_node", type=int,
+                            help="tasks per node (srun: one per GPU); with --launcher torchrun on CPU nodes: "
+                                 "workers per node (torchrun's --nproc-per-node)")
         parser.add_argument("--cpus-per-task", type=int, help="CPU cores per task")
         parser.add_argument("--time", help="wall time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
         parser.add_argument("--account", help="Slurm account (project), e.g. p163")
         parser.add_argument("--launcher", help="srun (one task per GPU), torchrun (one task per node) or horovod")
     parser.add_argument("--name", help="job name (letters, digits, . _ + -)")
+    add_script_arguments(parser)
     add_data_check_argument(parser)
+
+
+def add_script_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--chdir`` and ``--live-code`` (a script job's working directory and code)."""
+    parser.add_argument("--chdir", metavar="DIR",
+                        help="a script job's working directory (default: this folder, as sbatch does); "
+                             "its relative paths (./data, ./checkpoints) start there")
+    parser.add_argument("--live-code", action="store_true",
+                        help="run the script file itself on every segment, not the run directory's snapshot "
+                             "of it and its modules taken now")
 
 
 def add_data_check_argument(parser: argparse.ArgumentParser) -> None:
@@ -132,16 +145,38 @@ def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any]:
                              if script_table is not None else data, args.spec or str(DEFAULT_SPEC))
         if isinstance(data.get("script"), dict):
             data = {**data, "script": _script_paths_from(data["script"], spec_path.parent)}
+    data = _script_flags(data, args)
     flags = [(key, getattr(args, dest)) for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None]
     return set_fields(apply_overrides(data, args.overrides), flags)
 
 
 def _script_paths_from(table: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    """A TOML ``[script]`` table with its relative ``path`` made absolute from the spec file's folder."""
-    path = table.get("path")
-    if isinstance(path, str) and path and not Path(path).expanduser().is_absolute():
-        return {**table, "path": str((base_dir / Path(path).expanduser()).absolute())}
-    return table
+    """A TOML ``[script]`` table with its relative ``path`` and ``chdir`` made absolute from the spec file's folder."""
+    out = dict(table)
+    for key in ("path", "chdir"):
+        value = table.get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            out[key] = str((base_dir / Path(value).expanduser()).absolute())
+    return out
+
+
+def _script_flags(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``--chdir`` (absolute from this folder) and ``--live-code`` written into the ``[script]`` table."""
+    chdir, live = getattr(args, "chdir", None), getattr(args, "live_code", False)
+    if chdir is None and not live:
+        return data
+    if not isinstance(data.get("script"), dict):
+        flag = "--chdir" if chdir is not None else "--live-code"
+        raise ValidationError(f"{flag} is for a script job, and this job runs the built-in trainer",
+                              hint="give SCRIPT.py (or -m MODULE, or a spec with a [script] table), or drop " + flag)
+    table = dict(data["script"])
+    if chdir is not None:
+        if not chdir or "\n" in chdir:
+            raise ValidationError(f"--chdir {chdir!r} is not a folder", hint="e.g. --chdir $HOME/project")
+        table["chdir"] = str(Path(chdir).expanduser().absolute())
+    if live:
+        table["live"] = True
+    return {**data, "script": table}
 
 
 def checked_spec(spec: JobSpec) -> tuple[JobSpec, Any]:
@@ -185,7 +220,7 @@ def job_from_args(args: argparse.Namespace) -> ResolvedJob:
 
 
 def script_files(spec: JobSpec) -> dict[str, bytes]:
-    """The run directory's copy of the job's script (``{}`` for the built-in trainer)."""
+    """The run directory's copy of the job's script and its snapshot (``{}`` for the built-in trainer)."""
     if spec.script is None:
         return {}
     from cyclone_kit.config.script import check_script
@@ -194,7 +229,7 @@ def script_files(spec: JobSpec) -> dict[str, bytes]:
     if checked.config.sha256 != spec.script.sha256:
         raise ValidationError(f"script {checked.source_path} changed while the job was being prepared",
                               hint="submit again")
-    return {checked.copy_name: checked.content}
+    return checked.files()
 
 
 def resolved_spec(job: ResolvedJob) -> JobSpec:
@@ -203,7 +238,9 @@ def resolved_spec(job: ResolvedJob) -> JobSpec:
         job.spec.resources,
         partition=job.partition.name,
         gpus_per_node=job.gpus_per_node,
-        ntasks_per_node=job.ntasks_per_node,
+        # torchrun on CPU nodes: the workers per node (its --nproc-per-node), as the flag meant
+        ntasks_per_node=job.procs_per_node if job.spec.resources.launcher == "torchrun" and not job.gpus_per_node
+        else job.ntasks_per_node,
         cpus_per_task=job.cpus_per_task,
         time=job.time,
         account=job.account,

@@ -7,15 +7,26 @@ the user's file), and resolves a relative path against the directory it was give
 A ``-m MODULE`` is located with :func:`importlib.util.find_spec` and its source compiled the same
 way. Every refusal is one :class:`~cyclone_kit.core.errors.ValidationError` line with a HINT.
 
-The run directory keeps a copy of the script (:data:`COPY_DIR`) and ``spec.json`` its SHA-256, so
-a report can say exactly which code ran; the ranks run the original file (its sibling imports keep
-working) and the launch shim warns when it no longer matches the hash.
+What runs is what was submitted: the run directory keeps a **snapshot** (:data:`COPY_DIR`) of the
+script and of every file it can import from its folder (:func:`importable_files`: the ``*.py``
+files beside it and its packages, the folders there with an ``__init__.py``, whole), and every
+segment of the job, requeues included, runs that snapshot (``sys.path[0]`` is the snapshot's
+folder, as it would be the script's folder for ``python SCRIPT``). ``spec.json`` records the
+script's SHA-256, which is the snapshot's. More than :data:`SNAPSHOT_MAX_FILES` files or
+:data:`SNAPSHOT_MAX_BYTES` bytes is refused with a HINT (move the script into a folder of its
+own, or ``--live-code``). With ``script.live`` (``--live-code``) only a copy for the record is
+kept and the ranks run the file itself, as it is when each segment starts (the shim warns when it
+no longer matches the hash). A ``-m MODULE`` always runs live (the copy is its source file).
+
+The job's working directory (``script.chdir``) is resolved here too: the folder ``submit`` ran in
+unless told otherwise (``--chdir DIR``, or ``chdir`` in ``[script]``, relative to the spec file).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -37,11 +48,86 @@ class CheckedScript:
     config: ScriptConfig
     source_path: Path
     content: bytes
+    snapshot: tuple[str, ...] = ()
 
     @property
     def copy_name(self) -> str:
         """Where the copy goes inside the run directory (``script/<file name>``)."""
         return f"{COPY_DIR}/{self.source_path.name}"
+
+    def files(self) -> dict[str, bytes]:
+        """The run directory's copy: the script, and the snapshot of its folder (``script/...`` -> bytes).
+
+        Raises:
+            ValidationError: a file of the snapshot cannot be read any more.
+        """
+        out = {}
+        for rel in self.snapshot:
+            path = self.source_path.parent / rel
+            try:
+                out[f"{COPY_DIR}/{rel}"] = path.read_bytes()
+            except OSError as e:
+                raise ValidationError(f"cannot read {str(path)!r} for the script's snapshot: {e.strerror}",
+                                      hint="fix its permissions, or pass --live-code to run the files in place") from None
+        out[self.copy_name] = self.content
+        return out
+
+
+#: The snapshot's bounds: a script folder with more Python files, or more bytes of them, is refused.
+SNAPSHOT_MAX_FILES = 400
+SNAPSHOT_MAX_BYTES = 32 * 1024 * 1024
+
+
+def importable_files(folder: Path, *, max_files: int = SNAPSHOT_MAX_FILES,
+                     max_bytes: int = SNAPSHOT_MAX_BYTES) -> list[str]:
+    """What ``python SCRIPT`` in ``folder`` can import from there: relative paths, sorted.
+
+    The ``*.py`` files in ``folder`` and, whole, every package there (a sub-folder with an
+    ``__init__.py``: its ``*.py`` files at any depth). Hidden folders, ``__pycache__`` and
+    virtual environments are left out, as are folders without ``__init__.py`` (namespace
+    packages: rare beside a script, and the usual place of data and run directories).
+
+    Raises:
+        ValidationError: more than ``max_files`` files or ``max_bytes`` bytes.
+    """
+    found: list[str] = []
+    total = 0
+
+    def add(path: Path) -> None:
+        nonlocal total
+        found.append(path.relative_to(folder).as_posix())
+        total += path.stat().st_size
+        if len(found) > max_files or total > max_bytes:
+            raise ValidationError(
+                f"the script's folder {str(folder)!r} holds more than {max_files} Python files or "
+                f"{max_bytes // (1024 * 1024)} MiB of them to snapshot into the run directory",
+                hint="put the script and the modules it imports in a folder of their own, or pass --live-code "
+                     "(set live = true in [script]) to run the files in place as they are when the job starts")
+
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as e:
+        raise ValidationError(f"cannot list the script's folder {str(folder)!r}: {e.strerror}",
+                              hint="fix its permissions, or pass --live-code") from None
+    for entry in entries:
+        if entry.suffix == ".py" and entry.is_file():
+            add(entry)
+        elif _is_package(entry):
+            for root, dirs, files in os.walk(entry):
+                dirs[:] = sorted(d for d in dirs if not _skipped(Path(root) / d))
+                for name in sorted(files):
+                    if name.endswith(".py") and (Path(root) / name).is_file():
+                        add(Path(root) / name)
+    return found
+
+
+def _skipped(folder: Path) -> bool:
+    """Hidden folders, byte-code caches and virtual environments are not part of a snapshot."""
+    return folder.name.startswith(".") or folder.name == "__pycache__" or (folder / "pyvenv.cfg").exists()
+
+
+def _is_package(entry: Path) -> bool:
+    return entry.is_dir() and not _skipped(entry) and (entry / "__init__.py").is_file()
 
 
 def sha256_hex(content: bytes) -> str:
@@ -100,13 +186,31 @@ def check_script(script: ScriptConfig, base_dir: Path | str) -> CheckedScript:
         raise ValidationError(f"cannot read script {str(source)!r}: {e.strerror}",
                               hint="check the file's permissions") from None
     compile_check(content, str(source))
-    config = dataclasses.replace(script, path="" if script.module else str(source), sha256=sha256_hex(content))
-    return CheckedScript(config, source, content)
+    chdir = _working_directory(script.chdir, Path(base_dir))
+    config = dataclasses.replace(script, path="" if script.module else str(source), sha256=sha256_hex(content),
+                                 chdir=chdir)
+    snapshot = () if script.module or script.live else tuple(
+        rel for rel in importable_files(source.parent) if rel != source.name)
+    return CheckedScript(config, source, content, snapshot)
+
+
+def _working_directory(chdir: str, base_dir: Path) -> str:
+    """The job's working directory: ``chdir`` (relative: to ``base_dir``), else ``base_dir``; absolute.
+
+    Raises:
+        ValidationError: it does not exist or is not a directory.
+    """
+    path = Path(chdir).expanduser() if chdir else base_dir
+    path = Path(_abspath(base_dir / path))
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise ValidationError(f"the job's working directory {str(path)!r} {what}",
+                              hint="give --chdir an existing folder (the job's relative paths start there), "
+                                   "or leave it out to run in the folder you submit from")
+    return str(path)
 
 
 def _abspath(path: Path) -> str:
-    import os
-
     return os.path.abspath(path)
 
 

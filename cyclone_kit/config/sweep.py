@@ -325,15 +325,16 @@ def load_sweep(
 
 
 def _absolute_script(spec: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """A spec dict whose ``[script]`` path is made absolute from the folder of the file it came from."""
+    """A spec dict whose ``[script]`` path and chdir are made absolute from the folder of the file it came from."""
     table = spec.get("script")
-    if not isinstance(table, dict) or not isinstance(table.get("path"), str) or not table["path"]:
+    if not isinstance(table, dict):
         return spec
-    script_path = Path(table["path"]).expanduser()
-    if script_path.is_absolute():
-        return spec
-    return {**spec, "script": {**table, "path": str((folder / script_path).absolute())}}
-
+    out = dict(table)
+    for key in ("path", "chdir"):
+        value = table.get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            out[key] = str((folder / Path(value).expanduser()).absolute())
+    return {**spec, "script": out}
 
 # --------------------------------------------------------------------------- expansion
 def point_layouts(sweep: SweepSpec, profile: ClusterProfile) -> tuple[SweepPoint, ...]:

@@ -39,9 +39,10 @@ class ResolvedJob:
 
     @property
     def procs_per_node(self) -> int:
-        """Training processes per node (torchrun starts this many per task)."""
+        """Training processes per node (torchrun starts this many per task: one per GPU, or on CPU
+        nodes ``resources.ntasks_per_node`` workers, its ``--nproc-per-node``)."""
         if self.spec.resources.launcher == "torchrun":
-            return self.gpus_per_node or 1
+            return self.gpus_per_node or self.spec.resources.ntasks_per_node or 1
         return self.ntasks_per_node
 
     @property
@@ -79,12 +80,13 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
 
     launcher = res.launcher
     if launcher == "torchrun":
-        tasks = 1
-        if res.ntasks_per_node not in (None, 1):
+        tasks = 1  # one torchrun agent per node; it starts the workers
+        if gpus and res.ntasks_per_node not in (None, 1, gpus):
             raise ValidationError(
-                f"--ntasks-per-node={res.ntasks_per_node} with the torchrun launcher, which runs one task per node",
-                hint=f"drop --ntasks-per-node (torchrun starts {gpus or 1} processes per node) "
-                "or use --set resources.launcher=srun",
+                f"--ntasks-per-node={res.ntasks_per_node} with the torchrun launcher on {where}, whose workers are "
+                f"one per GPU ({gpus} per node)",
+                hint=f"drop --ntasks-per-node (torchrun starts {gpus} workers per node), or use "
+                f"--gpus-per-node={res.ntasks_per_node}",
             )
     elif gpus:
         tasks = gpus if res.ntasks_per_node is None else res.ntasks_per_node
@@ -104,6 +106,15 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
             cpus *= gpus  # one task per node drives every GPU of it
     else:
         cpus = max(1, part.cpus_per_node // max(tasks, 1))
+    workers = res.ntasks_per_node or 1
+    if launcher == "torchrun" and not gpus and workers > cpus:
+        raise ValidationError(
+            f"--ntasks-per-node={workers} torchrun workers per node but --cpus-per-task={cpus}: each worker "
+            "needs a core of the node's one task",
+            hint=f"use --cpus-per-task={min(workers, part.cpus_per_node)} or more, or fewer workers "
+            f"(at most {cpus})" if workers <= part.cpus_per_node else
+            f"use at most {part.cpus_per_node} workers per node (the cores of a node of {where})",
+        )
     if gpus and cpus > part.cpus_per_gpu and launcher != "torchrun":
         raise ValidationError(
             f"--cpus-per-task={cpus} is more than the {part.cpus_per_gpu} cores per GPU of {where}",

@@ -5,7 +5,10 @@ local launcher's argv, ``horovodrun``'s command), the rank side re-runs it under
 
 * the built-in trainer: ``python -m cyclone_kit.runtime --run-dir DIR``;
 * a user's script: the launch shim, ``python -m cyclone_kit.runtime.launch --run-dir DIR
-  [--horovod] (SCRIPT | -m MODULE) ARGS...`` (:mod:`cyclone_kit.runtime.launch`).
+  [--horovod] (SCRIPT | -m MODULE) ARGS...`` (:mod:`cyclone_kit.runtime.launch`). SCRIPT is the
+  run directory's snapshot of the script (``script/<name>``, taken at submission, with the
+  modules beside it) unless the spec says ``script.live``: then the file itself, as it is when
+  each segment starts.
 
 Module paths that jobs rendered before the re-layout call (``cyclone_kit.launch``) stay as
 aliases at the package root, since a requeued job re-runs its old script.
@@ -17,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from cyclone_kit.rundir.layout import RunDir
 
 TRAINER_MODULE = "cyclone_kit.runtime"
 SHIM_MODULE = "cyclone_kit.runtime.launch"
@@ -37,9 +42,17 @@ def shim_words(run_dir: Path | str | None, target: Sequence[str], *, horovod: bo
     return words + list(target)
 
 
-def script_target(script: Any) -> list[str]:
-    """``[SCRIPT, ARGS...]`` or ``[-m, MODULE, ARGS...]`` of a :class:`~cyclone_kit.config.job.ScriptConfig`."""
-    return [*(["-m", script.module] if script.module else [script.path]), *script.args]
+def script_target(script: Any, run_dir: Path | str | None = None) -> list[str]:
+    """``[SCRIPT, ARGS...]`` or ``[-m, MODULE, ARGS...]`` of a :class:`~cyclone_kit.config.job.ScriptConfig`.
+
+    With ``run_dir``, a script file that is not ``live`` is its snapshot in the run directory.
+    """
+    if script.module:
+        return ["-m", script.module, *script.args]
+    path = script.path
+    if run_dir is not None and not getattr(script, "live", False):
+        path = str(RunDir(Path(run_dir)).user_script_copy(Path(script.path).name))
+    return [path, *script.args]
 
 
 def rank_words(spec: Any, run_dir: Path | str) -> list[str]:
@@ -47,7 +60,7 @@ def rank_words(spec: Any, run_dir: Path | str) -> list[str]:
     script = getattr(spec, "script", None)
     if script is None:
         return trainer_words(run_dir)
-    return shim_words(run_dir, script_target(script), horovod=spec.resources.launcher == "horovod")
+    return shim_words(run_dir, script_target(script, run_dir), horovod=spec.resources.launcher == "horovod")
 
 
 def rank_argv(spec: Any, run_dir: Path | str, *, python: str | None = None) -> list[str]:

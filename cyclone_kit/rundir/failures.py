@@ -7,10 +7,12 @@ Two files record a failure, both inside the run directory (paths: :class:`cyclon
   could not (:func:`death_record`). Fields: rank, host, pid, time, type, message, and
   traceback / signal / exit_code / source.
 * ``failure.json``, the run's **failure record** (schema :data:`SCHEMA`), built by
-  :func:`failure_doc` only. Written by the local launcher (it saw which rank failed first) and
-  by the per-rank watchdog under Slurm (first writer wins). Fields::
+  :func:`failure_doc` only. Written by the local launcher (it saw which rank failed first, and
+  overwrites), and under Slurm and submitit by whoever sees a failure first (first writer wins):
+  the rank itself when the script raised or exited non-zero (:func:`record_rank_failure`), its
+  watchdog for a non-zero exit or a death by signal. Fields::
 
-      schema: 1, kind: "failure", written_by: "local" | "watchdog",
+      schema: 1, kind: "failure", written_by: "local" | "watchdog" | "rank" | "submitit",
       cause: "rank_failed" | "interrupted",
       root_cause: one line (also under "summary"), time, job_id,
       rank, host, pid, exit_code, signal: the first failed rank (null when interrupted),
@@ -194,6 +196,23 @@ def record_death(run_dir: Path, record: Mapping[str, Any]) -> None:
     doc = failure_doc(written_by="watchdog", cause="rank_failed", root_cause=death_line(record), first=record,
                       job_id=record.get("slurm_job_id"), time=record.get("time"))
     write_failure(rd.path, doc, first_wins=True)
+
+
+def record_rank_failure(run_dir: Path, rank: int, *, written_by: str, job_id: str | None = None,
+                        exit_code: int | None = None, fallback: Mapping[str, Any] | None = None) -> bool:
+    """``failure.json`` for a rank that raised or exited non-zero, unless one exists (first writer wins).
+
+    Written by whoever sees the failure first: the rank itself (the launch shim, right after it
+    wrote its error record), else its watchdog (a non-zero exit) or submitit's callable. The root
+    cause is the rank's own error record, else ``fallback`` (e.g. a :func:`death_record`). True
+    when this call wrote the file.
+    """
+    record = read_error_record(Path(run_dir), rank) or (dict(fallback) if fallback else None)
+    if record is None:
+        return False
+    doc = failure_doc(written_by=written_by, cause="rank_failed", root_cause=format_error_record(record),
+                      first=record, job_id=job_id, exit_code=exit_code, time=record.get("time"))
+    return write_failure(Path(run_dir), doc, first_wins=True)
 
 
 def read_failure(run_dir: Path) -> dict[str, Any] | None:

@@ -273,6 +273,12 @@ class RunDir:
         """The status of the last ``end`` record in ``metrics.jsonl`` (None if there is none)."""
         return last_end_status(self.metrics)
 
+    def script_warning(self) -> str:
+        """What the launch shim found wrong with a script's last segment ('' when nothing), e.g.
+        ``4 ranks ran as 4 independent copies ...`` (its ``end`` record in ``shim.jsonl``)."""
+        end = last_end_record(self.shim)
+        return str(end.get("warning") or "") if end else ""
+
     @classmethod
     def create(cls, runs_dir: Path, name: str, spec_text: str, files: Mapping[str, str | bytes] | None = None,
                when: float | None = None) -> RunDir:

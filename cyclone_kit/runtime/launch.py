@@ -163,17 +163,26 @@ def start_record(env: Any, shim: ShimArgs, spec: Any, when: str) -> dict[str, An
     return {
         "kind": "start", "schema": 1, "source": "launch", "time": when,
         "script": shim.target, "args": list(shim.args),
-        "sha256": getattr(script, "sha256", "") or None,
+        "sha256": _file_hash(shim.script) or getattr(script, "sha256", "") or None,
         "world_size": env.world_size, "num_nodes": env.num_nodes, "local_world_size": env.local_world_size,
         "launcher": env.launcher, "hostnames": list(env.hostnames) or [env.host or socket.gethostname()],
         "slurm_job_id": env.job_id, "restart_count": env.restart_count, "pid": os.getpid(),
     }
 
 
-def end_record(status: str, exit_code: int, wall_time_s: float, when: str, error: str | None = None) -> dict[str, Any]:
-    """Rank 0's shim ``end`` record (pure); ``status`` is ``completed`` or ``failed``."""
-    return {"kind": "end", "schema": 1, "source": "launch", "time": when, "status": status,
-            "exit_code": exit_code, "wall_time_s": round(wall_time_s, 6), "error": error}
+def end_record(status: str, exit_code: int, wall_time_s: float, when: str, error: str | None = None, *,
+               process_group_world: int | None = None, warning: str = "") -> dict[str, Any]:
+    """Rank 0's shim ``end`` record (pure); ``status`` is ``completed`` or ``failed``.
+
+    ``process_group_world``: the largest process group the script formed on rank 0 (None: none);
+    ``warning``: :func:`cyclone_kit.runtime.pgcheck.verdict` when that is not the launched world.
+    """
+    rec = {"kind": "end", "schema": 1, "source": "launch", "time": when, "status": status,
+           "exit_code": exit_code, "wall_time_s": round(wall_time_s, 6), "error": error,
+           "process_group_world": process_group_world}
+    if warning:
+        rec["warning"] = warning
+    return rec
 
 
 def time_to_solution_records(start: Mapping[str, Any], end: Mapping[str, Any], spec: Any,
@@ -187,6 +196,7 @@ def time_to_solution_records(start: Mapping[str, Any], end: Mapping[str, Any], s
     from cyclone_kit.rundir.contract import record
 
     per_device = getattr(getattr(spec, "script", None), "batch_size", 0) or None
+    samples_per_run = getattr(getattr(spec, "script", None), "samples_per_run", 0) or None
     world = int(start["world_size"])
     wall = float(end["wall_time_s"])
     head = record(
@@ -197,11 +207,13 @@ def time_to_solution_records(start: Mapping[str, Any], end: Mapping[str, Any], s
         launcher=start["launcher"], device=_device_kind(spec),
         device_name=None, hostnames=start["hostnames"], slurm_job_id=start["slurm_job_id"], time=start["time"],
         versions={"cyclone_kit": _version()}, git_commit=None, restart_count=start["restart_count"],
-        basis=TIME_TO_SOLUTION,
+        basis=TIME_TO_SOLUTION, samples_per_run=samples_per_run,
     )
     status = "completed" if end["status"] == "completed" else "failed"
     tail = metrics_end(status, 0, 1.0 / wall if wall > 0 and status == "completed" else None, wall, end["time"])
-    return [head, {**tail, "steps": None, "basis": TIME_TO_SOLUTION}]
+    finding = {"warning": end["warning"]} if end.get("warning") else {}
+    return [head, {**tail, "steps": None, "basis": TIME_TO_SOLUTION,
+                   "process_group_world": end.get("process_group_world"), **finding}]
 
 
 def _device_kind(spec: Any) -> str | None:
@@ -249,18 +261,23 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-def _check_hash(shim: ShimArgs, spec: Any) -> None:
-    """Warn when the script is no longer the one whose hash was recorded at submission."""
-    expected = getattr(getattr(spec, "script", None), "sha256", "")
-    if not expected or shim.script is None:
-        return
-    try:
-        from cyclone_kit.config.script import sha256_hex
+def _file_hash(script: str | None) -> str:
+    """The SHA-256 of the file this rank runs ('' for a module or an unreadable file)."""
+    if script is None:
+        return ""
+    import hashlib
 
-        actual = sha256_hex(Path(shim.script).read_bytes())
+    try:
+        return hashlib.sha256(Path(script).read_bytes()).hexdigest()
     except OSError:
-        return
-    if actual != expected:
+        return ""
+
+
+def _check_hash(shim: ShimArgs, spec: Any) -> None:
+    """Warn when the script (``--live-code``) is no longer the one whose hash was recorded at submission."""
+    expected = getattr(getattr(spec, "script", None), "sha256", "")
+    actual = _file_hash(shim.script)
+    if expected and actual and actual != expected:
         _say(f"warning: {shim.script} changed since submission (sha256 {actual[:12]}, recorded {expected[:12]}); "
              "the run directory's script/ folder holds the submitted copy")
 
@@ -298,6 +315,10 @@ def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str]) -> 
     environ.update(variables)
     # who really started the ranks (detection inside the script now says torchrun): for ck's records
     environ.setdefault("CYCLONE_LAUNCHER", env.launcher)
+    from cyclone_kit.runtime import pgcheck
+
+    # a bare accelerate.Accelerator() joins the ranks on a node without GPUs only with this
+    pgcheck.cpu_accelerate_default(environ, pgcheck.gpus_present())
     if shim.horovod:
         from cyclone_kit.runtime import hvd
 
@@ -405,6 +426,9 @@ def _run(shim: ShimArgs) -> int:
         _append(RunDir(run_dir).shim, [start])
     if spec is not None:
         note_requeue_signal(spec)
+    from cyclone_kit.runtime import pgcheck
+
+    pgcheck.watch()
     code, error = 0, None
     try:
         run_script(shim)
@@ -424,10 +448,16 @@ def _run(shim: ShimArgs) -> int:
             sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n")
         sys.excepthook(type(e), e, e.__traceback__)  # as for any uncaught exception (ck's hook records it too)
         _record_error(run_dir, rank, host, e)
+    wall = time.monotonic() - started
+    formed, used = pgcheck.formed_world(), pgcheck.collectives()
+    warning = pgcheck.verdict(env.world_size, formed, used) if code == 0 else ""
+    if warning and main_rank:
+        _say(f"warning: {warning} (torch.distributed.init_process_group, ck.init() or hvd.init() joins them; "
+             "on CPU nodes accelerate needs ACCELERATE_USE_CPU=1)")
     if main_rank:
         assert run_dir is not None and metrics is not None
         status = "completed" if code == 0 else "failed"
-        end = end_record(status, code, time.monotonic() - started, _utc_now(), error)
+        end = end_record(status, code, wall, _utc_now(), error, process_group_world=formed, warning=warning)
         _append(RunDir(run_dir).shim, [end])
         if _size(metrics) == metrics_before:  # the script wrote no metrics: time to solution
             name = Path(shim.script).stem if shim.script else str(shim.module)
@@ -443,15 +473,23 @@ def watchdog_rank() -> int:
 
 
 def _record_error(run_dir: Path | None, rank: int, host: str, exc: BaseException, message: str | None = None) -> None:
-    """Write this rank's error record (the root cause the launcher prints first)."""
-    if run_dir is None or RunDir(run_dir).error_record(rank).exists():
-        return  # the script's own record (ck's exception hook) is kept
-    try:
-        from cyclone_kit.rundir.failures import write_error_record
+    """Write this rank's error record (the root cause the launcher prints first) and ``failure.json``.
 
-        if message is not None:
-            exc = type(exc)(message) if not isinstance(exc, SystemExit) else ScriptExit(message)
-        write_error_record(run_dir, rank, host, exc, traceback.format_exc())
+    The script's own record (ck's exception hook) is kept. ``failure.json`` is written here, by
+    the rank that saw the failure, unless someone wrote it first; under the local launcher, which
+    writes the whole record itself once it has seen every rank end, it is left to the launcher.
+    """
+    if run_dir is None:
+        return
+    try:
+        from cyclone_kit.rundir import failures
+
+        if not RunDir(run_dir).error_record(rank).exists():
+            if message is not None:
+                exc = type(exc)(message) if not isinstance(exc, SystemExit) else ScriptExit(message)
+            failures.write_error_record(run_dir, rank, host, exc, traceback.format_exc())
+        if os.environ.get("CYCLONE_LAUNCHER") != "local":
+            failures.record_rank_failure(run_dir, rank, written_by="rank", job_id=os.environ.get("SLURM_JOB_ID"))
     except Exception as write_error:  # never hide the script's own failure behind this one
         _say(f"could not write the error record: {write_error}")
 

@@ -17,6 +17,8 @@ time, and it:
 * when the child dies by a signal the watchdog did not pass on, writes the rank's error record
   (rank, host, pid, signal, exit code, time of death) and ``failure.json`` (first writer wins),
   both through :mod:`cyclone_kit.rundir.failures`, whose root cause ``status`` and ``logs`` print;
+  when it exits non-zero without a stop having been passed on, ``failure.json`` from the rank's
+  own error record (unless the rank, or another rank, wrote it first);
 * ends the same way as its child (re-raising the child's signal, or its exit code), so srun
   sees the failure and stops the other tasks.
 
@@ -35,7 +37,15 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cyclone_kit.rundir.failures import death_line, death_record, host_guess, rank_guess, record_death, utc_now
+from cyclone_kit.rundir.failures import (
+    death_line,
+    death_record,
+    host_guess,
+    rank_guess,
+    record_death,
+    record_rank_failure,
+    utc_now,
+)
 
 #: Set in the child's environment so that it does not start a watchdog of its own.
 CHILD_VAR = "CYCLONE_WATCHDOG_CHILD"
@@ -114,6 +124,12 @@ def supervise(argv: Sequence[str], run_dir: Path | str | None, environ: Mapping[
         except OSError as e:
             sys.stderr.write(f"cyclone_kit: watchdog: could not write the error record: {e}\n")
         sys.stderr.flush()
+    elif code > 0 and target and not forwarded:  # it raised or exited non-zero: failure.json, if nobody wrote it
+        rank = rank_guess(base)
+        fallback = death_record(rank, host_guess(base), child.pid, code, when, base.get("SLURM_JOB_ID"))
+        with contextlib.suppress(OSError):
+            record_rank_failure(Path(target), rank, written_by="watchdog", job_id=base.get("SLURM_JOB_ID"),
+                                exit_code=code, fallback=fallback)
     if code < 0:
         with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP cannot be caught: no reset
             signal.signal(-code, signal.SIG_DFL)

@@ -136,6 +136,10 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "glibc_tunables": GLIBC_TUNABLES,
         "port_span": PORT_SPAN,
         "entry": rank_entry(job, run_dir),
+        # a script job runs in its working directory (script.chdir: where `submit` ran, or --chdir)
+        "workdir": spec.script.chdir if spec.script is not None else "",
+        "script_source": (spec.script.path or f"-m {spec.script.module}") if spec.script is not None else "",
+        "script_live": bool(spec.script is not None and (spec.script.live or spec.script.module)),
     }
 
 
@@ -182,7 +186,8 @@ def report_context(study_dir: Path | str, job: ResolvedJob, after: Sequence[str]
         "exclusive": False, "signal": "", "requeue": False, "extra_sbatch": list(prof.extra_sbatch),
         "log_dir": str(StudyDir(study).logs), "log_stem": "report",
         "dependency": f"afterany:{':'.join(str(i) for i in after)}" if after else "",
-        "study_dir": study, "report_dir": str(StudyDir(study).report),
+        "study_dir": study, "report_dir": str(StudyDir(study).report), "workdir": "",
+        "script_source": "",
     }
 
 

@@ -145,7 +145,7 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
         out, err: progress lines and failure reports (default: nowhere).
     """
     from cyclone_kit.backends.local import LocalBackend
-    from cyclone_kit.backends.local_env import available_cores
+    from cyclone_kit.backends.local_env import available_cores, working_directory
     from cyclone_kit.backends.srun_emulator import format_failure, launch
     from cyclone_kit.rundir.entry import rank_argv
 
@@ -159,7 +159,7 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
             rd.set_threads(threads)
             print(f"== {r.name}: {r.world_size} rank(s), {threads} thread(s) each", file=out, flush=True)
             result = launch(rd.path, r.world_size, r.job.nodes, threads=threads, job_name=r.job.spec.name, echo=echo,
-                            command=rank_argv(r.job.spec, rd.path))
+                            command=rank_argv(r.job.spec, rd.path), cwd=working_directory(r.job.spec))
             rd.write_submission(result.job_id, LocalBackend.name)
             outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": result.job_id,
                                     "status": "completed" if result.ok else "failed",

@@ -59,7 +59,9 @@ def test_dry_run_shows_the_shim_running_the_script_with_its_args(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --partition=cpu" in proc.stdout and "#SBATCH --job-name=plain_ddp" in proc.stdout
     words = shlex.split(proc.stdout[proc.stdout.index("-m cyclone_kit.runtime.launch"):])
-    assert words[4:] == [str(PLAIN), "--steps", "5", "a b; rm -rf ~"]
+    # the ranks run the run directory's snapshot of the script, in the folder submit ran in
+    assert words[4].endswith("/script/plain_ddp.py") and words[5:] == ["--steps", "5", "a b; rm -rf ~"]
+    assert f"# The script: {PLAIN}, as submitted" in proc.stdout and f"cd {REPO}" in proc.stdout
     assert not any(tmp_path.iterdir())
 
 
@@ -80,16 +82,18 @@ def test_a_spec_file_script_path_is_relative_to_the_spec_file(tmp_path: Path) ->
     proc = run_cli("submit", str(folder / "job.toml"), "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     words = shlex.split(proc.stdout[proc.stdout.index("-m cyclone_kit.runtime.launch"):])
-    assert words[4:] == [str(folder / "train.py"), "--nodes", "2", "--world", "4"]
+    assert words[4].endswith("/script/train.py") and words[5:] == ["--nodes", "2", "--world", "4"]
+    assert f"# The script: {folder / 'train.py'}, as submitted" in proc.stdout
 
 
 def test_the_shipped_script_specs_render(tmp_path: Path) -> None:
     job = run_cli("submit", str(REPO / "jobs" / "plain_ddp_script.toml"), "--dry-run", cwd=tmp_path)
     assert job.returncode == 0, job.stderr
     words = shlex.split(job.stdout[job.stdout.index("-m cyclone_kit.runtime.launch"):])
-    assert words[4:] == [str(PLAIN), "--steps", "50", "--batch-size", "64"]
+    assert words[4].endswith("/script/plain_ddp.py") and words[5:] == ["--steps", "50", "--batch-size", "64"]
+    assert f"# The script: {PLAIN}, as submitted" in job.stdout and f"cd {tmp_path}" in job.stdout
     sweep = run_cli("sweep", str(REPO / "jobs" / "strong_scaling_script.toml"), "--dry-run", cwd=tmp_path)
     assert sweep.returncode == 0, sweep.stderr
     assert sweep.stdout.count("-m cyclone_kit.runtime.launch") == 3
     for batch in ("128", "64", "32"):
-        assert f"{PLAIN} --steps 40 --batch-size {batch}\n" in sweep.stdout
+        assert f"/script/plain_ddp.py --steps 40 --batch-size {batch}\n" in sweep.stdout

@@ -61,7 +61,7 @@ def test_plain_ddp_runs_unchanged_with_two_ranks_and_leaves_shim_records(tmp_pat
     assert (run_dir / "script" / "plain_ddp.py").read_bytes() == script.read_bytes()
     start, end = _records(run_dir / "shim.jsonl")
     assert (start["kind"], start["world_size"], start["script"], start["sha256"]) == (
-        "start", 2, str(script), spec["script"]["sha256"])
+        "start", 2, str(run_dir / "script" / "plain_ddp.py"), spec["script"]["sha256"])  # the snapshot ran
     assert (end["kind"], end["status"], end["exit_code"]) == ("end", "completed", 0) and end["wall_time_s"] > 0
     # no ck.log_step in the script: the metrics contract gets a time-to-solution pair
     head, tail = _records(run_dir / "metrics.jsonl")

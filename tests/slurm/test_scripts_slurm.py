@@ -150,6 +150,8 @@ def test_a_script_failing_on_one_rank_fails_the_job_with_the_root_cause_and_no_r
     assert "rank 2 on c2" in status.stdout + status.stderr and "ValueError: boom on rank two" in status.stdout + status.stderr
     record = json.loads((run_dir / "ranks" / "error-rank-00002.json").read_text())
     assert record["type"] == "ValueError" and "fails.py" in record["traceback"]
+    failure = json.loads((run_dir / "failure.json").read_text())  # written by the rank that raised (issue 21)
+    assert (failure["rank"], failure["host"], failure["first"]["type"]) == (2, "c2", "ValueError"), failure
     logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*"))
     assert "must not happen" not in logs
     assert job_processes(job_id) == {}

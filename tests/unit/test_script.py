@@ -231,7 +231,7 @@ def test_every_launcher_runs_the_shim_with_quoted_args(launcher: str) -> None:
     if launcher == "horovod":
         assert rest[0] == "--horovod"
         rest = rest[1:]
-    assert rest[: 1 + len(HOSTILE)] == ["/p q/t.py", *HOSTILE], line
+    assert rest[: 1 + len(HOSTILE)] == ["/runs/s 1/script/t.py", *HOSTILE], line  # the snapshot runs
     assert "cyclone_kit.runtime " not in text and "cyclone_kit.runtime\n" not in text  # the shim, not the trainer
 
 

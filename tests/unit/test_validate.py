@@ -45,7 +45,9 @@ def test_fewer_gpus_per_node():
         ({"partition": "gpu", "cpus_per_task": 12}, "more than the 10 cores per GPU", "--cpus-per-task=10"),
         ({"partition": "cpu", "ntasks_per_node": 4, "cpus_per_task": 20}, "= 80 CPUs", "--cpus-per-task"),
         ({"partition": "gpux"}, "unknown partition 'gpux'", "cpu, gpu"),
-        ({"partition": "gpu", "launcher": "torchrun", "ntasks_per_node": 4}, "torchrun launcher", "drop --ntasks-per-node"),
+        ({"partition": "gpu", "launcher": "torchrun", "ntasks_per_node": 3}, "torchrun launcher", "drop --ntasks-per-node"),
+            ({"partition": "cpu", "launcher": "torchrun", "ntasks_per_node": 4, "cpus_per_task": 2}, "4 torchrun workers",
+             "--cpus-per-task=4"),
     ],
 )
 def test_refusals(resources, fragment, fix):

@@ -1,0 +1,210 @@
+"""Did a user's script train as one job of the launched world? (the launch shim's check)
+
+A rank of a world of N that never joins a process group of N trains alone: the job holds N
+ranks and reports world N, but N independent copies of the script ran, each on its own data.
+A script that never calls ``init_process_group`` does this; so does a bare
+``accelerate.Accelerator()`` on nodes without GPUs unless ACCELERATE_USE_CPU=1
+(:func:`cpu_accelerate_default`): it even forms the group of N (``init_process_group(backend=None)``)
+and then trains as ``DistributedType.NO``, never communicating over it.
+
+Before the script runs, the shim calls :func:`watch`: an import hook that, once anybody imports
+``torch.distributed`` (or ``horovod.torch``), wraps its ``init_process_group`` (``init``) so the
+world size of every group the script forms is noted, and its ``destroy_process_group`` so the
+collectives run on the groups (their sequence numbers, which every collective advances) are noted
+before they are forgotten. Nothing is imported that the script does not import itself. At the
+end, :func:`formed_world` and :func:`collectives` say what was seen (also from groups still
+alive) and :func:`verdict` the one line the end record, ``status`` and the report use.
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import sys
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from typing import Any
+
+#: The world sizes of the process groups formed on this rank (in call order).
+_SEEN: list[int] = []
+#: Collectives run on this rank's groups, noted when they were destroyed.
+_COLLECTIVES: list[int] = []
+#: Marks a wrapper installed here (never wrapped twice).
+_MARK = "_cyclone_kit_watched"
+
+
+def verdict(launched: int, formed: int | None, collectives: int | None = None) -> str:
+    """'' when the ranks trained as one job of ``launched`` (or a world of one ran), else the finding (pure).
+
+    ``formed``: the largest process group seen (None: none); ``collectives``: how many ran on the
+    groups (None: not known, taken as some).
+    """
+    if launched <= 1:
+        return ""
+    if formed is None or formed <= 1:
+        return (f"{launched} ranks ran as {launched} independent copies: no process group of world {launched} "
+                "was formed, each rank trained alone")
+    if formed != launched:
+        return f"{launched} ranks formed process groups of {formed}, not one of world {launched}"
+    if collectives == 0:
+        return (f"{launched} ranks ran as {launched} independent copies: they formed a process group of world "
+                f"{launched} but never communicated over it, each rank trained alone")
+    return ""
+
+
+def gpus_present(devices: Iterable[str] | None = None) -> bool:
+    """Whether this node has a GPU device file (``/dev/nvidia0`` ..., ``/dev/kfd`` for ROCm)."""
+    found = list(devices) if devices is not None else glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/kfd")
+    return bool(found)
+
+
+def cpu_accelerate_default(environ: MutableMapping[str, str], gpus: bool) -> bool:
+    """ACCELERATE_USE_CPU=1 on a node without GPUs, unless the user set it; True when set here.
+
+    Without it a bare ``accelerate.Accelerator()`` does not join the ranks on CPU (it stays
+    ``DistributedType.NO``) and every rank trains alone.
+    """
+    if gpus or "ACCELERATE_USE_CPU" in environ:
+        return False
+    environ["ACCELERATE_USE_CPU"] = "1"
+    return True
+
+
+def _noted(original: Callable[..., Any], world: Callable[[], int]) -> Callable[..., Any]:
+    """``original`` that notes ``world()`` after it returned."""
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        with contextlib.suppress(Exception):
+            _SEEN.append(int(world()))
+        return result
+
+    setattr(call, _MARK, True)
+    return call
+
+
+def _rebind(name: str, original: Any, wrapper: Any, prefix: str) -> None:
+    """Point every loaded ``prefix*`` module's ``name`` that is ``original`` at ``wrapper`` (from-imports)."""
+    for key, module in list(sys.modules.items()):
+        if (key == prefix or key.startswith(prefix + ".")) and module is not None:
+            with contextlib.suppress(Exception):
+                if module.__dict__.get(name) is original:
+                    module.__dict__[name] = wrapper
+
+
+def group_collectives(dist: Any) -> int | None:
+    """Collectives run so far on every live process group (sum of their sequence numbers); None: unknown."""
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        groups = list(dist.distributed_c10d._world.pg_map)
+        return sum(int(group._get_sequence_number_for_group()) for group in groups)
+    except Exception:  # another torch: no sequence numbers to read
+        return None
+
+
+def _before_destroy(original: Callable[..., Any], dist: Any) -> Callable[..., Any]:
+    """``destroy_process_group`` that notes the groups' collectives first."""
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        seen = group_collectives(dist)
+        if seen is not None:
+            _COLLECTIVES.append(seen)
+        return original(*args, **kwargs)
+
+    setattr(call, _MARK, True)
+    return call
+
+
+def _patch_torch(module: Any) -> None:
+    original = getattr(module, "init_process_group", None)
+    if original is not None and not getattr(original, _MARK, False):
+        _rebind("init_process_group", original, _noted(original, module.get_world_size), "torch")
+    destroy = getattr(module, "destroy_process_group", None)
+    if destroy is not None and not getattr(destroy, _MARK, False):
+        _rebind("destroy_process_group", destroy, _before_destroy(destroy, module), "torch")
+
+
+def _patch_horovod(module: Any) -> None:
+    original = getattr(module, "init", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+    _rebind("init", original, _noted(original, module.size), "horovod")
+
+
+_PATCHES: Mapping[str, Callable[[Any], None]] = {"torch.distributed": _patch_torch, "horovod.torch": _patch_horovod}
+
+
+class _Finder:
+    """A meta-path finder that lets the real finders load a watched module, then patches it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        patch = _PATCHES.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            with contextlib.suppress(Exception):  # never break the script's import
+                patch(module)
+
+        with contextlib.suppress(AttributeError, TypeError):
+            loader.exec_module = exec_module
+        return spec
+
+
+def watch() -> None:
+    """Note every process group formed from now on (modules loaded already are patched at once)."""
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            with contextlib.suppress(Exception):
+                patch(sys.modules[name])
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def formed_world() -> int | None:
+    """The largest world of a process group this rank formed (noted, or alive now); None: none."""
+    worlds = list(_SEEN)
+    dist = sys.modules.get("torch.distributed")
+    with contextlib.suppress(Exception):
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            worlds.append(int(dist.get_world_size()))
+    hvd = sys.modules.get("horovod.torch")
+    with contextlib.suppress(Exception):
+        if hvd is not None and hvd.is_initialized():
+            worlds.append(int(hvd.size()))
+    return max(worlds) if worlds else None
+
+
+def collectives() -> int | None:
+    """The most collectives seen on this rank's groups (at their destruction, or alive now); None: unknown."""
+    seen = list(_COLLECTIVES)
+    dist = sys.modules.get("torch.distributed")
+    alive = group_collectives(dist) if dist is not None else None
+    if alive is not None:
+        seen.append(alive)
+    return max(seen) if seen else None
+
+
+def launched_world(environ: Mapping[str, str]) -> int:
+    """The world the launcher started (WORLD_SIZE as the shim exported it; 1 when unknown; pure)."""
+    raw = environ.get("WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() else 1
+
+
+__all__ = ["collectives", "cpu_accelerate_default", "formed_world", "gpus_present", "group_collectives",
+           "launched_world", "verdict", "watch"]
