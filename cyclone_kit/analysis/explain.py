@@ -128,7 +128,7 @@ def phase_table(steps: pd.DataFrame, runs: pd.DataFrame, ranks: pd.DataFrame) ->
         dirs = set(group["run_dir"].astype(str))
         mine = steady_steps(steps[steps["run_dir"].astype(str).isin(dirs)]) if not steps.empty else steps
         row = {"study": study, "strategy": strategy, "world_size": int(n),
-               "per_device_batch_size": float(group["per_device_batch_size"].median()), "records": len(mine),
+               "per_device_batch_size": _median(group, "per_device_batch_size"), "records": len(mine),
                "step_time_s": _median(mine, "step_time_s")}
         for column in (*[c for c, _ in PARTS], "comm_time_s"):
             row[column] = _median(mine, column)

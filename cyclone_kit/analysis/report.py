@@ -33,6 +33,7 @@ from cyclone_kit.analysis.cost import query_sacct, usage_table
 from cyclone_kit.analysis.explain import Explanation, diagnose, phase_table
 from cyclone_kit.analysis.honesty import Review, review
 from cyclone_kit.analysis.ingest import Ingested, load_runs
+from cyclone_kit.analysis.pipeline import pipeline_sections
 from cyclone_kit.analysis.render import render_html, render_markdown
 from cyclone_kit.analysis.report_content import report_blocks
 from cyclone_kit.analysis.scaling import ScalingFit, compare_to_baselines, fit_scaling_laws, scaling_table
@@ -169,6 +170,7 @@ def write_report(
     blocks = report_blocks(
         data, table, fits, baseline_frame, title=title, generated=generated, plots_written=plots_written,
         checks=checks, usage=usage, accounting_note=accounting_note, explanations=explanations,
+        pipeline=pipeline_sections(data.runs["run_dir"]),
     )
     (out / "report.md").write_text(render_markdown(blocks), encoding="utf-8")
     (out / "report.html").write_text(render_html(blocks, images), encoding="utf-8")

@@ -202,6 +202,7 @@ def report_blocks(
     usage: pd.DataFrame | None = None,
     accounting_note: str = "",
     explanations: Mapping[str, Explanation] | None = None,
+    pipeline: Sequence[Any] = (),
 ) -> list[Block]:
     """Build the report content (pure): setup, table, plots, fits, cost, baselines, problems.
 
@@ -219,6 +220,7 @@ def report_blocks(
         accounting_note: why sacct gave nothing ("" when it did or was not asked).
         explanations: study -> where its time goes, the diagnosis and the prediction
             (:mod:`cyclone_kit.analysis.explain`); none shown for a study without one.
+        pipeline: the pipeline runs' sections (:func:`cyclone_kit.analysis.pipeline.pipeline_sections`).
 
     Returns:
         The blocks, in order, for :func:`render_markdown` and :func:`render_html`.
@@ -246,6 +248,8 @@ def report_blocks(
     blocks += _baseline_blocks(runs, table, baselines, checks)
     blocks += _incomplete_blocks(data)
     blocks += _timing_blocks(data)
+    for section in pipeline:  # bubble per stage against (P-1)/(M+P-1), and the stage balance
+        blocks += [Heading(2, section.title), Paragraph(section.text), Table(section.header, section.rows)]
     blocks += _rank_blocks(data)
     blocks += _quality_blocks(data)
     blocks += _definition_blocks()

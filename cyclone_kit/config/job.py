@@ -53,6 +53,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 STRATEGIES = ("ddp", "fsdp", "horovod", "pipeline")
 
 
+#: Pipeline schedules (torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
 LAUNCHERS = ("srun", "torchrun", "horovod")
 
 
@@ -93,6 +97,8 @@ class TrainConfig:
     num_workers: int = -1
     pg_timeout_s: int = 600  # PyTorch's NCCL default: rank 0 may write or load a large checkpoint meanwhile
     microbatches: int = 4
+    pipeline_stages: int = 0  # ranks per pipeline (0: all); world / pipeline_stages data-parallel replicas
+    pipeline_schedule: str = "gpipe"
     fp16_allreduce: bool = False
 
     def __post_init__(self) -> None:
@@ -101,10 +107,11 @@ class TrainConfig:
         check_choice("train.precision", self.precision, PRECISIONS)
         check_choice("train.strategy", self.strategy, STRATEGIES)
         check_choice("train.lr_scaling", self.lr_scaling, ("linear", "sqrt", "none"))
+        check_choice("train.pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         for name in ("image_size", "num_classes", "batch_size", "base_batch_size", "grad_accum", "log_every",
                      "bucket_cap_mb", "pg_timeout_s", "microbatches", "synthetic_samples"):
             check_positive(f"train.{name}", getattr(self, name))
-        for name in ("steps", "epochs", "warmup_steps", "val_every_epochs", "val_samples", "seed"):
+        for name in ("steps", "epochs", "warmup_steps", "val_every_epochs", "val_samples", "seed", "pipeline_stages"):
             check_non_negative(f"train.{name}", getattr(self, name))
         if self.steps == 0 and self.epochs == 0:
             raise ValidationError("train.steps and train.epochs are both 0", hint="set train.steps=N or train.epochs=N")

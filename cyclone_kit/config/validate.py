@@ -142,7 +142,33 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
 
     check_script_gpu_layout(spec, profile, gpus, tasks)
     account = res.account or profile.account
-    return ResolvedJob(spec, profile, part, res.nodes, gpus, tasks, cpus, time_s, account)
+    job = ResolvedJob(spec, profile, part, res.nodes, gpus, tasks, cpus, time_s, account)
+    _check_pipeline(job)
+    return job
+
+
+def _check_pipeline(job: ResolvedJob) -> None:
+    """The pipeline's layout against the job's ranks (the runtime checks the same; here it fails before the queue)."""
+    tc = getattr(job.spec, "train", None)
+    if tc is None or tc.strategy != "pipeline":
+        return
+    world = job.world_size
+    stages = tc.pipeline_stages or world
+    if world % stages:
+        raise ValidationError(
+            f"train.pipeline_stages={stages} does not divide the job's {world} ranks",
+            hint=f"use a divisor of {world} (world / pipeline_stages data-parallel replicas), or change --nodes",
+        )
+    if tc.batch_size % tc.microbatches:
+        raise ValidationError(
+            f"train.batch_size {tc.batch_size} does not split into {tc.microbatches} equal micro-batches",
+            hint="with strategy=pipeline make train.batch_size a multiple of train.microbatches",
+        )
+    if tc.pipeline_schedule != "gpipe" and tc.microbatches < stages:
+        raise ValidationError(
+            f"train.pipeline_schedule={tc.pipeline_schedule} needs train.microbatches >= {stages} stages",
+            hint=f"--set train.microbatches={stages} (or more), or train.pipeline_schedule=gpipe",
+        )
 
 
 #: ``--gpu-bind`` values that leave a task one GPU of its node (``none`` leaves it all of them).

@@ -53,6 +53,9 @@ START_FIELDS = (
 )
 VERSION_FIELDS = ("torch", "torchvision", "cyclone_kit")
 STEP_FIELDS = ("step", "epoch", "loss", "step_time_s", "data_time_s", "samples_per_s", "time")
+#: Step-record fields of a pipeline run: per pipeline position, the seconds per optimizer step spent
+#: computing and idle (bubble, waiting on neighbours) inside the schedule, means over the replicas.
+PIPELINE_STEP_FIELDS = ("stage_compute_s", "stage_idle_s")
 EPOCH_FIELDS = ("epoch", "val_accuracy", "epoch_time_s", "time")
 END_FIELDS = ("status", "steps", "samples_per_s", "wall_time_s", "time")
 RANK_SUMMARY_FIELDS = ("rank", "host", "device", "samples_per_s", "peak_memory_bytes")
@@ -98,10 +101,15 @@ def start_record(*, run_id: str, world_size: int, num_nodes: int, local_world_si
 
 
 def step_record(step: int, epoch: int, loss: float, step_time_s: float, data_time_s: float,
-                samples_per_s: float, time: str) -> dict[str, Any]:
-    """A ``step`` record (pure)."""
+                samples_per_s: float, time: str, **extra: Any) -> dict[str, Any]:
+    """A ``step`` record (pure); ``extra`` fields (:data:`PIPELINE_STEP_FIELDS`) follow the contract's."""
     return record("step", step=step, epoch=epoch, loss=loss, step_time_s=step_time_s, data_time_s=data_time_s,
-                  samples_per_s=samples_per_s, time=time)
+                  samples_per_s=samples_per_s, time=time, **extra)
+
+
+def pipeline_step_fields(compute_s: Sequence[float], idle_s: Sequence[float]) -> dict[str, list[float]]:
+    """The :data:`PIPELINE_STEP_FIELDS` of a step record, one value per pipeline position (pure)."""
+    return {"stage_compute_s": [float(c) for c in compute_s], "stage_idle_s": [float(i) for i in idle_s]}
 
 
 def epoch_record(epoch: int, val_accuracy: float | None, epoch_time_s: float, time: str) -> dict[str, Any]:

@@ -1,33 +1,43 @@
-"""Strategy ``pipeline``: the model split into one stage per rank, trained with micro-batches (GPipe).
+"""Strategy ``pipeline``: the model cut into balanced stages, run by ``torch.distributed.pipelining``,
+with data parallelism across pipelines.
 
-Every rank builds the same model (same seed), cuts it into ``world_size`` consecutive stages
-(:func:`split_model`, balanced by parameter count) and keeps only its own stage. There is no
-data parallelism: every rank reads the same batches (the data is built for a world of one), the
-first stage feeds the images in, the last one computes the loss. Each optimizer step is
-``grad_accum`` batches of ``train.batch_size``, each cut into ``train.microbatches``
-micro-batches. The schedule (:func:`schedule`, pure; run by :func:`pipeline_step`) is GPipe's
-fill-drain: every stage runs the forwards of all micro-batches (sending each activation on as
-soon as it has it, so stage k works on micro-batch m while stage k+1 works on m-1), then the
-backwards in the same order. Between two neighbours the sends of one side and the receives of
-the other come in the same order (:func:`order_mismatches` checks it): NCCL runs the
-point-to-point operations of a pair of ranks in order on one stream, so a send that the peer
-receives only after a send of its own, larger than NCCL's buffer, waits forever.
+**Layout** (:func:`layout`): ``train.pipeline_stages = P`` (0: all ranks) ranks form one pipeline,
+and ``world / P`` pipelines (replicas) train on different shards of the data, as DDP ranks do. A
+DeviceMesh of shape (replicas, stages) names the groups: rank ``r`` holds stage ``r % P`` of
+replica ``r // P``; the gradients of a stage are all-reduced (averaged) across its replicas after
+the backward, and BatchNorm statistics follow replica 0's (DDP's ``broadcast_buffers``). So 16 GPUs
+can be 4 stages x 4 replicas; a replica's global batch is ``train.batch_size`` and the run's is
+``batch_size x replicas x grad_accum``, as DDP over ``replicas`` ranks.
 
-Precision: ``auto`` is bf16 on GPUs with native bf16 (sm_80+) and fp16 with a loss scale
-(:class:`LossScale`, agreed by all stages) on older ones (V100), fp32 on the CPU.
+**Stages** (:mod:`~cyclone_kit.runtime.pipeline_split`): cut at block granularity and balanced by
+each block's forward+backward time measured on the device at the start (rank 0 measures, every
+rank uses its split; a resumed run reuses the split its checkpoint recorded).
 
-The metrics contract is the engine's (start, step, epoch and end records on rank 0, a summary
-per rank). Checkpoints use the engine's format: ``model`` is the full, unsplit state dict
-(gathered from all stages, so a DDP run can load it), ``optimizer`` holds one state per stage.
+**Schedule** (``train.pipeline_schedule``): ``gpipe`` (fill-drain), ``1f1b`` (one forward one
+backward: fewer activations alive, needs ``microbatches >= P``) or ``interleaved_1f1b`` (every rank
+holds 2 stages, a shorter bubble; needs ``2 P`` blocks) -- torch's own ScheduleGPipe, Schedule1F1B
+and ScheduleInterleaved1F1B with :class:`torch.distributed.pipelining.PipelineStage`.
+
+**Precision**: ``auto`` is bf16 on GPUs with native bf16, fp16 with a loss scale agreed by all
+stages (:class:`LossScale`) on older ones; activations travel between stages in that dtype; fp32
+on the CPU. cudnn.benchmark, ``train.channels_last`` and ``train.deterministic`` as in the DDP engine.
+
+**Bubble**: every stage times its forward and backward computations inside each schedule step;
+the rest of the step is idle (the pipeline bubble, and waiting for neighbours). Each step record
+carries the per-stage compute and idle seconds (:data:`~cyclone_kit.rundir.contract.PIPELINE_STEP_FIELDS`),
+for the report to set against the ideal bubble (P-1)/(M+P-1).
+
+**Checkpoints**: torch.distributed.checkpoint (:mod:`~cyclone_kit.runtime.pipeline_ckpt`): every
+stage writes its own tensors under the full model's names, so a DDP run (any world size) loads
+the weights and momentum, and a pipeline run can resume from a DDP checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,252 +45,626 @@ from typing import Any
 import torch
 from torch import nn
 
-from cyclone_kit.config.job import JobSpec
+from cyclone_kit.config.job import PIPELINE_SCHEDULES, JobSpec
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.runtime import checkpoint as ckpt
+from cyclone_kit.rundir.contract import pipeline_step_fields
 from cyclone_kit.runtime import metrics as mx
+from cyclone_kit.runtime import pipeline_ckpt as pck
+from cyclone_kit.runtime import pipeline_split as split
 from cyclone_kit.runtime.data import auto_workers, build_data
 from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.runtime.models import TinyCNN, build_model
-from cyclone_kit.runtime.plan import begin_segment, lr_factor, make_plan, resolve_precision, seed_everything
+from cyclone_kit.runtime.models import build_model
+from cyclone_kit.runtime.plan import (
+    begin_segment,
+    configure_backends,
+    lr_factor,
+    make_plan,
+    resolve_precision,
+    seed_everything,
+)
 from cyclone_kit.runtime.session import Session, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
 
+#: Stages each rank holds under the interleaved schedule.
+INTERLEAVED_VIRTUAL = 2
 
-# --------------------------------------------------------------------------- the split
-@dataclass
-class Stage:
-    """One pipeline stage: consecutive layers of the model, by their names in the full model.
+
+# --------------------------------------------------------------------------- layout (pure)
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the 2-D layout (pure function of the spec and the world size).
 
     Attributes:
-        index: 0 .. num_stages-1.
-        num_stages: stages in the pipeline.
-        layers: (name in the full model's state dict, or "" for a parameter-free op, module).
+        stages: ranks per pipeline (P).
+        replicas: pipelines (world / P).
+        virtual: stages per rank (2 for interleaved_1f1b, else 1).
+        schedule: the schedule's name.
+        microbatches: micro-batches per schedule step (M).
     """
 
-    index: int
-    num_stages: int
-    layers: list[tuple[str, nn.Module]]
+    stages: int
+    replicas: int
+    virtual: int
+    schedule: str
+    microbatches: int
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
+    def num_stages(self) -> int:
+        """Model stages in all (P x virtual)."""
+        return self.stages * self.virtual
 
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline position of global ``rank``."""
+        return rank % self.stages
 
-    @property
-    def module(self) -> nn.Sequential:
-        """The stage as one module (shares the layers)."""
-        return nn.Sequential(*(m for _, m in self.layers))
+    def dp_rank(self, rank: int) -> int:
+        """The replica of global ``rank``."""
+        return rank // self.stages
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's entries of the full model's state dict (CPU tensors)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, layer in self.layers:
-            if name:
-                for key, value in layer.state_dict().items():
-                    out[f"{name}.{key}"] = value.detach().cpu()
-        return out
-
-    def load_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
-        """Load this stage's entries from a full (unsplit) model state dict."""
-        for name, layer in self.layers:
-            if name:
-                prefix = f"{name}."
-                layer.load_state_dict({k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)})
+    def stage_indices(self, rank: int) -> list[int]:
+        """The model stages global ``rank`` holds (loop order: p, p + P, ...)."""
+        return [self.pp_rank(rank) + v * self.stages for v in range(self.virtual)]
 
 
-def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model as a flat list of (state-dict name, layer) run in order, for models whose
-    forward is a plain chain (the tiny CNN, ResNets, MobileNetV3).
+def layout(world_size: int, pipeline_stages: int, schedule: str, microbatches: int, batch_size: int) -> Layout:
+    """The layout of a run (pure).
 
     Raises:
-        ValidationError: the architecture has no known chain form (ViT).
+        ValidationError: P does not divide the world, the batch does not split into equal
+            micro-batches, or the schedule needs more micro-batches.
     """
-    import torchvision
-
-    if isinstance(model, TinyCNN):
-        return [(f"features.{i}", m) for i, m in enumerate(model.features)] + [
-            ("", nn.Flatten(1)), ("classifier", model.classifier)]
-    if isinstance(model, torchvision.models.ResNet):
-        names = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"]
-        return [(n, getattr(model, n)) for n in names] + [("", nn.Flatten(1)), ("fc", model.fc)]
-    if isinstance(model, torchvision.models.MobileNetV3):
-        return [(f"features.{i}", m) for i, m in enumerate(model.features)] + [
-            ("avgpool", model.avgpool), ("", nn.Flatten(1))] + [
-            (f"classifier.{i}", m) for i, m in enumerate(model.classifier)]
-    raise ValidationError(
-        f"train.strategy 'pipeline' cannot split a {type(model).__name__} into stages",
-        hint="use tiny_cnn, a resnet or a mobilenet_v3 model with the pipeline strategy, or strategy=fsdp",
-    )
-
-
-def split_points(sizes: Sequence[int], num_stages: int) -> list[int]:
-    """Start indices of ``num_stages`` consecutive, non-empty chunks of ``sizes`` with about
-    equal sums (greedy on the running total; pure)."""
-    if not 1 <= num_stages <= len(sizes):
+    p = pipeline_stages or world_size
+    if world_size % p:
         raise ValidationError(
-            f"cannot split {len(sizes)} layers into {num_stages} pipeline stages",
-            hint="run the pipeline strategy with at most as many ranks as the model has layers",
+            f"train.pipeline_stages={p} does not divide the {world_size} ranks",
+            hint=f"use a divisor of {world_size} (each group of {p} ranks is one pipeline; world / P replicas)",
         )
-    total = sum(sizes)
-    starts, running = [0], 0
-    for i, size in enumerate(sizes[:-1]):
-        running += size
-        stages_left = num_stages - len(starts)
-        layers_left = len(sizes) - (i + 1)
-        if stages_left and (running >= total * len(starts) / num_stages or layers_left == stages_left):
-            starts.append(i + 1)
-    return starts
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValidationError(f"unknown train.pipeline_schedule {schedule!r}",
+                              hint=f"use one of: {', '.join(PIPELINE_SCHEDULES)}")
+    if batch_size % microbatches:
+        raise ValidationError(
+            f"train.batch_size {batch_size} does not split into {microbatches} equal micro-batches",
+            hint="with strategy=pipeline make train.batch_size a multiple of train.microbatches",
+        )
+    if schedule != "gpipe" and microbatches < p:
+        raise ValidationError(
+            f"train.pipeline_schedule={schedule} needs train.microbatches >= {p} stages, got {microbatches}",
+            hint=f"--set train.microbatches={p} (or more), or train.pipeline_schedule=gpipe",
+        )
+    virtual = INTERLEAVED_VIRTUAL if schedule == "interleaved_1f1b" else 1
+    if virtual > 1 and microbatches % max(1, microbatches // p):
+        raise ValidationError(
+            f"interleaved_1f1b needs train.microbatches ({microbatches}) to be a multiple of its rounds",
+            hint=f"use a multiple of {p} micro-batches",
+        )
+    return Layout(p, world_size // p, virtual, schedule, microbatches)
 
 
-def split_model(model: nn.Module, num_stages: int) -> list[Stage]:
-    """Cut ``model`` into ``num_stages`` stages of about equal parameter count (sharing layers)."""
-    layers = sequential_layers(model)
-    sizes = [sum(p.numel() for p in m.parameters()) + 1 for _, m in layers]  # +1: no empty compute
-    starts = [*split_points(sizes, num_stages), len(layers)]
-    return [Stage(i, num_stages, layers[starts[i]:starts[i + 1]]) for i in range(num_stages)]
+# --------------------------------------------------------------------------- the stage
+class StageModule(nn.Module):
+    """A stage: consecutive blocks of the model, run under autocast; the activation it hands on
+    is ``act_dtype`` and contiguous (the next stage's receive buffer is).
 
-
-# --------------------------------------------------------------------------- the schedule
-def _chunks(x: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
-    return list(torch.tensor_split(x, min(microbatches, x.shape[0])))
-
-
-def pipeline_forward(stage: Stage, x: torch.Tensor, microbatches: int, shape: Sequence[int]) -> torch.Tensor | None:
-    """Inference through the pipeline: the logits on the last stage, None on the others.
-
-    ``x`` is the full batch (read by the first stage; the others use only its size);
-    ``shape`` is the per-sample shape of this stage's input (:func:`stage_input_shapes`).
+    ``names`` are the parts' prefixes in the full model, so :meth:`full_state_items` speaks the
+    unsplit model's state-dict names (checkpoints a DDP run can load).
     """
-    import torch.distributed as dist
 
-    module, rank = stage.module, stage.index
-    sends, outs = [], []
-    for xm in _chunks(x, microbatches):
-        inp = xm if stage.is_first else _recv((xm.shape[0], *shape), x.device, rank - 1)
-        out = module(inp)
-        if stage.is_last:
-            outs.append(out)
-        else:
-            sends.append(dist.isend(out.detach().float().contiguous(), rank + 1))
-    for work in sends:
-        work.wait()
-    return torch.cat(outs) if stage.is_last else None
+    def __init__(self, blocks: Sequence[split.Block], *, device_type: str, dtype: torch.dtype | None,
+                 channels_last: bool, is_last: bool) -> None:
+        super().__init__()
+        parts = [part for b in blocks for part in b.parts]
+        self.names = [name for name, _ in parts]
+        self.parts = nn.ModuleList(m for _, m in parts)
+        self.device_type, self.dtype = device_type, dtype
+        self.channels_last, self.is_last = channels_last, is_last
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's output for input ``x`` (logits on the last stage)."""
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        ctx = torch.autocast(self.device_type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+        with ctx:
+            for part in self.parts:
+                x = part(x)
+        if not self.is_last:
+            x = x.to(self.dtype or torch.float32).contiguous()
+        return x
 
-@dataclass(frozen=True)
-class Op:
-    """One operation of a stage's schedule: ``recv_act``, ``forward``, ``send_act``, ``recv_grad``,
-    ``backward`` or ``send_grad`` of micro-batch ``micro``; ``peer`` is the other stage of a
-    send or receive (None for compute)."""
-
-    kind: str
-    micro: int
-    peer: int | None = None
-
-
-def schedule(index: int, num_stages: int, microbatches: int) -> list[Op]:
-    """The operations of stage ``index`` for one batch, in order (pure): GPipe fill-drain, all
-    forwards then all backwards, both in micro-batch order (see the module doc)."""
-    first, last = index == 0, index == num_stages - 1
-    ops: list[Op] = []
-    for m in range(microbatches):
-        if not first:
-            ops.append(Op("recv_act", m, index - 1))
-        ops.append(Op("forward", m))
-        if not last:
-            ops.append(Op("send_act", m, index + 1))
-    for m in range(microbatches):
-        if not last:
-            ops.append(Op("recv_grad", m, index + 1))
-        ops.append(Op("backward", m))
-        if not first:
-            ops.append(Op("send_grad", m, index - 1))
-    return ops
-
-
-def order_mismatches(schedules: Sequence[Sequence[Op]]) -> list[str]:
-    """Where the communication of neighbouring stages does not match in order (pure; [] = none).
-
-    For each pair (k, k+1), stage k's sends to and receives from k+1, in its order, must be
-    stage k+1's receives from and sends to k, in the same order (each send met by the
-    receive the peer posts at that point), as NCCL needs for blocking point-to-point calls.
-    """
-    def channel(ops: Sequence[Op], peer: int) -> list[tuple[str, str, int]]:
-        out = []
-        for op in ops:
-            if op.peer == peer:
-                direction, what = op.kind.split("_")
-                out.append((direction, what, op.micro))
+    def full_names(self) -> dict[str, str]:
+        """This module's state-dict key -> the full model's (``parts.3.conv1.weight`` -> ``layer1.0.conv1.weight``)."""
+        out = {}
+        for i, (name, part) in enumerate(zip(self.names, self.parts, strict=True)):
+            if name:
+                for key in part.state_dict():
+                    out[f"parts.{i}.{key}"] = f"{name}.{key}"
         return out
 
-    flip = {"send": "recv", "recv": "send"}
-    problems = []
-    for k in range(len(schedules) - 1):
-        mine, raw = channel(schedules[k], k + 1), channel(schedules[k + 1], k)
-        theirs = [(flip[d], what, m) for d, what, m in raw]
-        for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
-            if a != b:
-                problems.append(f"stages {k}-{k + 1}, operation {i}: stage {k} posts {a}, stage {k + 1} posts {raw[i]}")
-                break
+
+class Clock:
+    """Compute time of a stage inside schedule steps: host clock on the CPU, CUDA events on a GPU
+    (read once per log window, when the loss is read anyway)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.compute_s, self.total_s = 0.0, 0.0
+        self.events: list[tuple[Any, Any]] = []
+        self.steps: list[tuple[Any, Any]] = []
+
+    def mark(self) -> Any:
+        """A point in time: a recorded CUDA event, or the host clock."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, start: Any, end: Any, step: bool = False) -> None:
+        """Count ``start`` .. ``end`` as compute, or (``step``) as a whole schedule step."""
+        if self.cuda:
+            (self.steps if step else self.events).append((start, end))
+        elif step:
+            self.total_s += end - start
         else:
-            if len(mine) != len(theirs):
-                problems.append(f"stages {k}-{k + 1}: {len(mine)} vs {len(theirs)} operations")
-    return problems
+            self.compute_s += end - start
+
+    def read(self) -> tuple[float, float]:
+        """(compute, step) seconds since the last read."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.compute_s += sum(a.elapsed_time(b) for a, b in self.events) / 1000
+            self.total_s += sum(a.elapsed_time(b) for a, b in self.steps) / 1000
+            self.events, self.steps = [], []
+        out = (self.compute_s, self.total_s)
+        self.compute_s, self.total_s = 0.0, 0.0
+        return out
 
 
-def pipeline_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, microbatches: int, shape: Sequence[int],
-                  criterion: nn.Module, scale: float, autocast: Any, loss_scale: float = 1.0) -> torch.Tensor:
-    """Forward and backward of one batch (:func:`schedule`); gradients accumulate in the stage's
-    parameters.
+def _timed_stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
 
-    The loss of each micro-batch is weighted by its share of the batch and by ``scale``
-    (1/grad_accum), so the gradients equal those of the whole batch; ``loss_scale`` (fp16)
-    multiplies the backward only. Returns the batch's loss (times ``scale``) on the last
-    stage, 0 on the others.
-    """
+    class TimedStage(PipelineStage):
+        """A PipelineStage whose forward and backward computations are timed (:class:`Clock`)."""
+
+        clock: Clock
+
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            t0 = self.clock.mark()
+            out = super().forward_one_chunk(*args, **kwargs)
+            self.clock.add(t0, self.clock.mark())
+            return out
+
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            t0 = self.clock.mark()
+            out = super().backward_one_chunk(*args, **kwargs)
+            self.clock.add(t0, self.clock.mark())
+            return out
+
+    return TimedStage
+
+
+def build_schedule(lay: Layout, stages: list[Any], loss_fn: Callable[..., torch.Tensor]) -> Any:
+    """torch's schedule object for ``lay`` over this rank's ``stages`` (gradients not rescaled:
+    ``loss_fn`` carries 1/M)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if lay.schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, lay.microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = Schedule1F1B if lay.schedule == "1f1b" else ScheduleGPipe
+    return cls(stages[0], lay.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def stage_shapes(blocks: Sequence[split.Block], cuts: Sequence[int], sample: torch.Tensor) -> list[tuple[int, ...]]:
+    """The per-sample shape of every stage's input, and last the output's, from a forward of
+    ``sample`` (batch 1, eval mode, no gradients: nothing changes)."""
+    shapes = []
+    modules = [split.block_module(b) for b in blocks]
+    was = [m.training for m in modules]
+    x = sample[:1]
+    with torch.no_grad():
+        for s in range(len(cuts) - 1):
+            shapes.append(tuple(x.shape[1:]))
+            for m in modules[cuts[s]:cuts[s + 1]]:
+                m.eval()
+                x = m(x)
+        shapes.append(tuple(x.shape[1:]))
+    for m, training in zip(modules, was, strict=True):
+        m.train(training)
+    return shapes
+
+
+# --------------------------------------------------------------------------- gradient sync
+def allreduce_replicas(params: Sequence[torch.Tensor], group: Any, replicas: int) -> None:
+    """Average the gradients of ``params`` across the replicas of this stage (one flat all-reduce)."""
     import torch.distributed as dist
 
-    module, rank = stage.module, stage.index
-    xs, ys = _chunks(x, microbatches), _chunks(y, microbatches)
-    sends: list[Any] = []
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    grads: dict[int, torch.Tensor] = {}
-    loss_sum = torch.zeros((), device=x.device)
-    n = x.shape[0]
-    for op in schedule(stage.index, stage.num_stages, len(xs)):
-        m = op.micro
-        if op.kind == "recv_act":
-            inputs[m] = _recv((xs[m].shape[0], *shape), x.device, rank - 1).requires_grad_()
-        elif op.kind == "forward":
-            inp = xs[m] if stage.is_first else inputs[m]
-            with autocast():
-                out = module(inp if stage.is_first else inp.clone())  # a clone: the stage may start in-place (ReLU)
-                if stage.is_last:
-                    out = criterion(out, ys[m]) * (xs[m].shape[0] / n) * scale
-            outputs[m] = out
-            if stage.is_last:
-                loss_sum = loss_sum + out.detach().float()
-        elif op.kind == "send_act":
-            sends.append(dist.isend(outputs[m].detach().float().contiguous(), rank + 1))
-        elif op.kind == "recv_grad":
-            grads[m] = _recv(outputs[m].shape, x.device, rank + 1)
-        elif op.kind == "backward":
-            out = outputs.pop(m)
-            if stage.is_last:
-                (out * loss_scale if loss_scale != 1.0 else out).backward()
-            else:
-                out.backward(grads.pop(m).to(out.dtype))
-        elif op.kind == "send_grad":
-            sends.append(dist.isend(inputs.pop(m).grad.contiguous(), rank - 1))
-    for work in sends:
-        work.wait()
-    return loss_sum
+    grads = [p.grad for p in params if p.grad is not None]
+    if replicas <= 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(replicas)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def broadcast_buffers(modules: Sequence[nn.Module], group: Any, src: int) -> None:
+    """Replica 0's buffers (BatchNorm statistics) on every replica (DDP's broadcast_buffers)."""
+    import torch.distributed as dist
+
+    bufs = [b for m in modules for b in m.buffers()]
+    if not bufs:
+        return
+    flat = torch.cat([b.detach().reshape(-1).double() for b in bufs])
+    dist.broadcast(flat, src=src, group=group)
+    offset = 0
+    for b in bufs:
+        b.copy_(flat[offset:offset + b.numel()].view_as(b).to(b.dtype))
+        offset += b.numel()
+
+
+# --------------------------------------------------------------------------- the engine
+def _measured_balance(session: Session, lay: Layout, blocks: Sequence[split.Block], found: Any,
+                      sample: torch.Tensor, autocast: Any) -> split.Balance:
+    """The split: the one the checkpoint recorded (same blocks and stage count), else measured
+    on rank 0 (the blocks are on ``sample``'s device there) and shared with every rank."""
+    names = [b.name for b in blocks]
+    recorded = ((found[0].get("pipeline") or {}).get("balance") if found else None) or {}
+    if recorded.get("blocks") == names and len(recorded.get("cuts", ())) == lay.num_stages + 1:
+        return split.Balance(tuple(names), tuple(recorded["block_times_s"]), tuple(recorded["cuts"]))
+    times: list[Any] = [None]
+    if session.env.is_main:
+        times = [split.measure_block_times(blocks, sample, autocast=autocast)]
+    if session.distributed:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(times, src=0, group=side_group())
+    return split.balance(names, times[0], lay.num_stages)
+
+
+def _groups(session: Session, lay: Layout, dev: torch.device) -> tuple[Any, Any]:
+    """(pipeline group, replica group) of this rank from a (replicas, stages) DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(dev.type, (lay.replicas, lay.stages), mesh_dim_names=("dp", "pp"))
+    return mesh.get_group("pp"), mesh.get_group("dp")
+
+
+@dataclass
+class _Pipe:
+    """This rank's part of the pipeline (built by :func:`_build`)."""
+
+    lay: Layout
+    balance: split.Balance
+    modules: list[StageModule]
+    schedule: Any
+    clock: Clock
+    weight: list[float]  # the loss factor the schedule's loss_fn applies: loss scale / (M x grad_accum)
+    pp_group: Any
+    dp_group: Any
+    has_first: bool
+    has_last: bool
+    param_order: list[str]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters of this rank's stages."""
+        return [p for m in self.modules for p in m.parameters()]
+
+
+def _build(session: Session, lay: Layout, tc: Any, info: Any, found: Any, dev: torch.device,
+           dtype: torch.dtype | None, channels_last: bool) -> _Pipe:
+    """The model built (same seed everywhere), cut, balanced; this rank's stages wrapped in
+    PipelineStages and the schedule over them."""
+    torch.manual_seed(tc.seed)  # the same full model on every rank, then each keeps its stages
+    model = build_model(tc.model, info.num_classes, info.image_size, info.channels)
+    blocks = split.model_blocks(model)
+    order = [n for n, _ in model.named_parameters()]
+    sample = torch.zeros(1, info.channels, info.image_size, info.image_size)
+    mb = tc.batch_size // lay.microbatches
+    autocast = (lambda: torch.autocast(dev.type, dtype=dtype)) if dtype else None
+    if session.env.is_main:
+        model.to(dev)
+        probe = torch.randn(mb, *sample.shape[1:], device=dev)
+        probe = probe.contiguous(memory_format=torch.channels_last) if channels_last else probe
+        if channels_last:
+            model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    bal = _measured_balance(session, lay, blocks, found, probe if session.env.is_main else sample, autocast)
+    model.cpu()
+    shapes = stage_shapes(blocks, bal.cuts, sample)
+    pp_group, dp_group = _groups(session, lay, dev)
+    timed, clock = _timed_stage_class(), Clock(dev)
+    modules, stages = [], []
+    act = dtype or torch.float32
+    for s in lay.stage_indices(session.env.rank):
+        last = s == lay.num_stages - 1
+        module = StageModule(blocks[bal.cuts[s]:bal.cuts[s + 1]], device_type=dev.type, dtype=dtype,
+                             channels_last=channels_last, is_last=last).to(dev)
+        if channels_last:
+            module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        inp = torch.empty((mb, *shapes[s]), device=dev, dtype=torch.float32 if s == 0 else act)
+        out = torch.empty((mb, *shapes[s + 1]), device=dev, dtype=act)
+        stage = timed(module, s, lay.num_stages, dev, input_args=(inp.requires_grad_(s > 0),),
+                      output_args=(out.requires_grad_(),), group=pp_group)
+        stage.clock = clock
+        modules.append(module)
+        stages.append(stage)
+    del model, blocks
+    weight = [1.0]
+    criterion = nn.CrossEntropyLoss()
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return criterion(out.float(), y) * weight[0]
+
+    return _Pipe(lay, bal, modules, build_schedule(lay, stages, loss_fn), clock, weight, pp_group, dp_group,
+                 has_first=any(st.is_first for st in stages), has_last=any(st.is_last for st in stages),
+                 param_order=order)
+
+
+def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
+                   stop_flag: StopFlag | None = None) -> str:
+    """Train ``spec`` with the pipeline strategy on this rank.
+
+    Same contract as :func:`cyclone_kit.runtime.train.train`: returns ``completed`` or
+    ``preempted``; writes metrics (rank 0), rank summaries and checkpoints.
+
+    Raises:
+        ValidationError: the layout, the batch or the model does not fit the pipeline.
+    """
+    t_start = time.perf_counter()
+    tc, cc = spec.train, spec.checkpoint
+    lay = layout(env.world_size, tc.pipeline_stages, tc.pipeline_schedule, tc.microbatches, tc.batch_size)
+    if tc.compile:
+        warn("train.compile is ignored with strategy=pipeline")
+    seed_everything(tc.seed)
+    # The engine's set-up path (threads, device, process group, hosts, stop agreement): the public API's.
+    session = open_session(env, environ, Path(run_dir), cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
+                           t_start=t_start, group_for_one=True)
+    device = session.device
+    dev = torch.device(device.torch_device)
+    configure_backends(tc, device.kind)
+    channels_last = tc.channels_last and device.kind == "cuda"
+    # Data parallelism across pipelines: every stage of replica d reads shard d of R.
+    replica = dataclasses.replace(env, rank=lay.dp_rank(env.rank), world_size=lay.replicas, local_rank=0,
+                                  local_world_size=1, node_rank=0, num_nodes=1)
+    workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
+    data = build_data(tc, replica, dev, workers=workers, channels_last=channels_last)
+    plan = make_plan(tc, lay.replicas, data.train.sampler.full_length())
+    precision = resolve_precision(tc.precision, device.kind, device.native_bf16)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    found = session.load_latest() if cc.resume else None
+    pipe = _build(session, lay, tc, data.info, found, dev, dtype, channels_last)
+    seed_everything(tc.seed + env.rank)
+    optimizer = torch.optim.SGD(pipe.params, lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan.warmup_steps,
+                                                                                   plan.total_steps))
+    scaler = LossScale(distributed=session.distributed, group=side_group()) if precision == "fp16" else None
+    loop = _Loop(session, spec, pipe, data, plan, optimizer, scheduler, scaler, dev)
+    step = loop.resume(found) if found is not None else 0
+    if not begin_segment(session, plan, tc, precision=precision, strategy="pipeline", step=step,
+                         stages=lay.stages, replicas=lay.replicas, microbatches=lay.microbatches,
+                         pipeline_schedule=lay.schedule, virtual_stages=lay.virtual,
+                         balance=pipe.balance.record()):
+        return "completed"
+    if env.is_main:
+        b = pipe.balance
+        print(f"cyclone_kit: {tc.model} on {tc.dataset}, pipeline {lay.stages} stage(s) x {lay.replicas} "
+              f"replica(s), {lay.schedule}, {lay.microbatches} micro-batches ({session.launcher}), {device.kind} "
+              f"{precision}, batch {plan.global_batch}, lr {plan.lr:g}, steps {step}->{plan.total_steps}; "
+              f"stages cut at blocks {list(b.cuts)}, slowest/mean {b.max_over_mean:.2f}"
+              + (" (block granularity limits the balance)" if b.granularity_limited else ""), flush=True)
+    try:
+        return loop.run(step)
+    except BaseException:
+        session.end("failed", loop.step, plan.total_steps)
+        raise
+
+
+class _Loop:
+    """The mutable state of one pipeline training segment (private; built by :func:`train_pipeline`)."""
+
+    def __init__(self, session: Session, spec: JobSpec, pipe: _Pipe, data: Any, plan: Any, optimizer: Any,
+                 scheduler: Any, scaler: LossScale | None, dev: torch.device) -> None:
+        self.session, self.env, self.tc, self.cc = session, session.env, spec.train, spec.checkpoint
+        self.pipe, self.lay, self.data, self.plan = pipe, pipe.lay, data, plan
+        self.optimizer, self.scheduler, self.scaler, self.dev = optimizer, scheduler, scaler, dev
+        self.step = 0
+
+    # -- one optimizer step: grad_accum schedule steps, then the replicas' gradients averaged
+    def _step(self, batches: Any, window: dict[str, float]) -> torch.Tensor:
+        pipe, accum = self.pipe, self.plan.grad_accum
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        pipe.weight[0] = scale / (self.lay.microbatches * accum)
+        loss = torch.zeros((), device=self.dev)
+        for _ in range(accum):
+            t0 = time.perf_counter()
+            x, y = next(batches)
+            window["data_s"] += time.perf_counter() - t0
+            losses: list[torch.Tensor] = []
+            start = pipe.clock.mark()
+            pipe.schedule.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
+            pipe.clock.add(start, pipe.clock.mark(), step=True)
+            if losses:
+                loss = loss + torch.stack([v.detach().float() for v in losses]).sum() / scale
+        if self.lay.replicas > 1:
+            allreduce_replicas(pipe.params, pipe.dp_group, self.lay.replicas)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.lay.replicas > 1:
+            broadcast_buffers(pipe.modules, pipe.dp_group, src=self.lay.pp_rank(self.env.rank))
+        return loss
+
+    def run(self, start_step: int) -> str:
+        """Train from ``start_step`` to the plan's end or an agreed stop; returns the status."""
+        plan, tc, cc, session = self.plan, self.tc, self.cc, self.session
+        self.step = step = start_step
+        epoch = step // plan.steps_per_epoch
+        self.data.train.set_epoch(epoch, (step - epoch * plan.steps_per_epoch) * plan.grad_accum)
+        batches = iter(self.data.train)
+        epoch_t0 = time.perf_counter()
+        window = {"start": time.perf_counter(), "steps": 0, "data_s": 0.0}
+        loss_sum = torch.zeros((), device=self.dev)
+        agreed = NONE
+        self.pipe.clock.read()
+        while step < plan.total_steps:
+            loss_sum = loss_sum + self._step(batches, window)
+            step += 1
+            self.step = step
+            window["steps"] += 1
+            if step % tc.log_every == 0 or step == plan.total_steps:
+                self._log(step, epoch, loss_sum, window)
+                loss_sum = torch.zeros((), device=self.dev)
+                window = {"start": time.perf_counter(), "steps": 0, "data_s": 0.0}
+            agreed = session.poll(step)
+            if agreed != NONE:
+                break
+            if cc.every_steps and step % cc.every_steps == 0 and step < plan.total_steps:
+                self.save(step, epoch)
+            if step % plan.steps_per_epoch == 0:
+                self._end_epoch(epoch, time.perf_counter() - epoch_t0,
+                                tc.val_every_epochs > 0 and (epoch + 1) % tc.val_every_epochs == 0)
+                epoch += 1
+                if step < plan.total_steps:
+                    self.data.train.set_epoch(epoch, 0)
+                    batches = iter(self.data.train)
+                    epoch_t0 = time.perf_counter()
+        session.settle()
+        if agreed == NONE and step % plan.steps_per_epoch:
+            self._end_epoch(epoch, time.perf_counter() - epoch_t0, tc.val_every_epochs > 0)
+        self.save(step, epoch)
+        status = "completed" if agreed == NONE else session.stop_status()  # a user's cancel: cancelled
+        # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
+        session.end(status, step, plan.total_steps)
+        return status
+
+    def _log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: dict[str, float]) -> None:
+        n = int(window["steps"])
+        loss = loss_sum / n
+        if self.session.distributed:  # the loss lives on the last stage of each replica; the others add 0
+            import torch.distributed as dist
+
+            dist.all_reduce(loss)
+            loss = loss / self.lay.replicas
+        value = float(loss.item())  # waits for the device (the all-reduce follows the last stages' work)
+        compute_s, total_s = self.pipe.clock.read()
+        every = self.session.gather_to_main((compute_s, total_s))
+        elapsed = max(time.perf_counter() - window["start"], 1e-9)
+        samples = self.plan.global_batch * n
+        local = self.plan.per_device_batch * self.plan.grad_accum * n  # every stage of a replica sees its batch
+        extra = pipeline_step_fields(*_per_stage(every, self.lay, n)) if self.env.is_main else {}
+        rate = self.session.log_window(step, epoch, value, n, elapsed, window["data_s"], samples, local, **extra)
+        if self.env.is_main:
+            idle = extra.get("stage_idle_s") or [0.0]
+            print(f"step {step}/{self.plan.total_steps} epoch {epoch} loss {value:.4f} "
+                  f"step {elapsed / n * 1000:.1f} ms {rate:.1f} samples/s, idle per stage "
+                  + " ".join(f"{t * 1000:.0f}" for t in idle) + " ms", flush=True)
+
+    @torch.no_grad()
+    def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
+        accuracy = self._validate() if validate and self.data.val is not None else None
+        self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
+        if self.env.is_main and accuracy is not None:
+            print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
+
+    def _validate(self) -> float | None:
+        """Accuracy over the validation shards: every stage of a replica runs the same batches
+        through the schedule's forward, padded to the training batch (the stages' buffers' size)."""
+        pipe, batch = self.pipe, self.tc.batch_size
+        for m in pipe.modules:
+            m.eval()
+        counts = torch.zeros(2, dtype=torch.float64, device=self.dev)
+        self.data.val.set_epoch(0)
+        for x, y in self.data.val:
+            n = x.shape[0]
+            if n < batch:
+                x = torch.cat([x, x.new_zeros((batch - n, *x.shape[1:]))])
+                y = torch.cat([y, y.new_zeros(batch - n)])
+            out = pipe.schedule.eval(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+            if pipe.has_last and out is not None:
+                counts[0] += (out[:n].argmax(1) == y[:n]).sum()
+                counts[1] += n
+        for m in pipe.modules:
+            m.train()
+        if self.session.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts)
+        correct, total = counts.tolist()
+        return correct / total if total else None
+
+    # -- checkpoints
+    def save(self, step: int, epoch: int) -> None:
+        """Every rank writes its stages' tensors (DCP); rank 0 then the small ``.pt`` naming them."""
+        from cyclone_kit.runtime import checkpoint as ckpt
+        from cyclone_kit.runtime import fsdp_ckpt
+
+        entries = pck.save_stages(self.session.checkpoint_dir, step, self.pipe.modules, self.optimizer)
+        rngs = self.session.gather_to_main(ckpt.capture_rng())
+        state: dict[str, Any] | None = None
+        if self.env.is_main:
+            plan, lay = self.plan, self.lay
+            state = {
+                **entries,
+                "strategy": "pipeline",
+                "scheduler": self.scheduler.state_dict(),
+                "step": step,
+                "epoch": epoch,
+                "sampler": {"epoch": step // plan.steps_per_epoch,
+                            "batch": (step % plan.steps_per_epoch) * plan.grad_accum},
+                "rng": rngs,
+                "world_size": self.env.world_size,
+                "global_batch": plan.global_batch,
+                "pipeline": {"stages": lay.stages, "replicas": lay.replicas, "schedule": lay.schedule,
+                             "microbatches": lay.microbatches, "balance": self.pipe.balance.record()},
+            }
+            if self.scaler is not None:
+                state["loss_scale"] = self.scaler.state_dict()
+        self.session.save(state, step, after_write=fsdp_ckpt.prune)
+
+    def resume(self, found: tuple[dict[str, Any], Path]) -> int:
+        """Load ``found`` (the newest checkpoint, chosen by rank 0) into this rank's stages; its step."""
+        from cyclone_kit.runtime import checkpoint as ckpt
+
+        state, path = found
+        fmt = state.get("optimizer_format")
+        if fmt == "dcp":
+            raise ValidationError(
+                f"checkpoint {path.name} holds FSDP shards (checkpoint.sharded); the pipeline cannot resume it",
+                hint="resume with train.strategy=fsdp, or start a new run directory",
+            )
+        if fmt == pck.FORMAT:
+            pck.load_stages(path.parent / state["model"]["dcp"], self.pipe.modules, self.optimizer)
+        else:  # a DDP/FSDP/Horovod checkpoint: the full model's state dict
+            restored = pck.load_from_full(state, self.pipe.modules, self.optimizer, self.pipe.param_order)
+            if self.env.is_main and not restored:
+                warn(f"checkpoint {path.name} was written by a {state.get('strategy', 'ddp')} run: "
+                     "weights restored, optimizer momentum restarts")
+        self.scheduler.load_state_dict(state["scheduler"])
+        pck.sync_lr(self.optimizer, self.scheduler)
+        if len(state.get("rng") or []) == self.env.world_size:
+            ckpt.restore_rng(state["rng"][self.env.rank])
+        if self.scaler is not None and "loss_scale" in state:
+            self.scaler.load_state_dict(state["loss_scale"])
+        if self.env.is_main:
+            print(f"cyclone_kit: resumed from {path} at step {state['step']}", flush=True)
+        return int(state["step"])
+
+
+def _per_stage(every: Sequence[tuple[float, float]], lay: Layout, steps: int) -> tuple[list[float], list[float]]:
+    """Per pipeline position: mean compute and idle seconds per optimizer step over the replicas (pure)."""
+    compute, idle = [0.0] * lay.stages, [0.0] * lay.stages
+    for rank, (c, total) in enumerate(every):
+        p = lay.pp_rank(rank)
+        compute[p] += c / lay.replicas / steps
+        idle[p] += max(total - c, 0.0) / lay.replicas / steps
+    return compute, idle
 
 
 class LossScale:
@@ -328,255 +712,6 @@ class LossScale:
         self.scale, self.good = float(state["scale"]), int(state["good"])
 
 
-def _recv(shape: Sequence[int], device: torch.device, src: int) -> torch.Tensor:
-    import torch.distributed as dist
-
-    buf = torch.empty(tuple(shape), device=device)
-    dist.recv(buf, src)
-    return buf
-
-
-def stage_input_shapes(stages: Sequence[Stage], sample: torch.Tensor) -> list[tuple[int, ...]]:
-    """The per-sample input shape of every stage, found by running ``sample`` (batch 1) through
-    copies of the stages on the CPU (before the ranks drop the stages they do not own)."""
-    import copy
-
-    shapes = []
-    x = sample[:1].detach().cpu().float()
-    with torch.no_grad():
-        for stage in stages:
-            shapes.append(tuple(x.shape[1:]))
-            module = copy.deepcopy(stage.module).cpu().float().eval()
-            x = module(x)
-    return shapes
-
-
-# --------------------------------------------------------------------------- the engine variant
-def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
-                   stop_flag: StopFlag | None = None) -> str:
-    """Train ``spec`` with the pipeline strategy on this rank (stage ``env.rank``).
-
-    Same contract as :func:`cyclone_kit.runtime.train.train`: returns ``completed`` or
-    ``preempted``; writes metrics (rank 0), rank summaries and checkpoints.
-
-    Raises:
-        ValidationError: the model cannot be split, or the batch is smaller than the micro-batches.
-    """
-    t_start = time.perf_counter()
-    run_dir = Path(run_dir)
-    tc, cc = spec.train, spec.checkpoint
-    if tc.batch_size < tc.microbatches:
-        raise ValidationError(
-            f"train.batch_size {tc.batch_size} is smaller than train.microbatches {tc.microbatches}",
-            hint="with strategy=pipeline, train.batch_size is the batch every stage sees; make it >= microbatches",
-        )
-    if tc.compile:
-        warn("train.compile is ignored with strategy=pipeline")
-    seed_everything(tc.seed)
-    # The engine's set-up path (threads, device, process group, hosts, stop agreement): the public API's.
-    session = open_session(env, environ, run_dir, cc, pg_timeout_s=tc.pg_timeout_s, stop_flag=stop_flag,
-                           t_start=t_start)
-    device, distributed = session.device, session.distributed
-    dev = torch.device(device.torch_device)
-
-    # No data parallelism: every stage reads the batches a world of one would read.
-    solo = dataclasses.replace(env, rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
-                               num_nodes=1)
-    workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
-    data = build_data(tc, solo, dev, workers=workers)
-    plan = make_plan(tc, 1, data.train.sampler.full_length())
-    precision = resolve_precision(tc.precision, device.kind, device.native_bf16)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = LossScale(distributed=distributed, group=side_group()) if precision == "fp16" else None
-
-    torch.manual_seed(tc.seed)  # the same full model on every rank, then each keeps its stage
-    info = data.info
-    model = build_model(tc.model, info.num_classes, info.image_size, info.channels)
-    stages = split_model(model, env.world_size)
-    shapes = stage_input_shapes(stages, torch.zeros(1, info.channels, info.image_size, info.image_size))
-    stage, shape = stages[env.rank], shapes[env.rank]
-    del model, stages
-    module = stage.module.to(dev)
-    seed_everything(tc.seed + env.rank)
-    params = list(module.parameters())
-    optimizer = torch.optim.SGD(params, lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan.warmup_steps,
-                                                                                   plan.total_steps))
-    autocast = (lambda: torch.autocast(device_type=dev.type, dtype=dtype)) if dtype else contextlib.nullcontext
-
-    state = _State(session, stage, optimizer, scheduler, plan, scaler)
-    step = state.resume() if cc.resume else 0
-    launcher = session.launcher
-    if not begin_segment(session, plan, tc, precision=precision, strategy="pipeline", step=step,
-                         stages=env.world_size, microbatches=tc.microbatches):
-        return "completed"
-    if env.is_main:
-        print(f"cyclone_kit: {tc.model} on {tc.dataset}, pipeline of {env.world_size} stage(s) x "
-              f"{tc.microbatches} micro-batches ({launcher}), {device.kind} {precision}, batch {plan.global_batch}, "
-              f"lr {plan.lr:g}, steps {step}->{plan.total_steps}", flush=True)
-
-    criterion = nn.CrossEntropyLoss()
-    epoch = step // plan.steps_per_epoch
-    try:
-        data.train.set_epoch(epoch, (step - epoch * plan.steps_per_epoch) * plan.grad_accum)
-        batches = iter(data.train)
-        epoch_t0 = window_t0 = time.perf_counter()
-        window_steps, data_s = 0, 0.0
-        loss_sum = torch.zeros((), device=dev)
-        agreed = NONE
-        module.train()
-        while step < plan.total_steps:
-            for _ in range(plan.grad_accum):
-                t0 = time.perf_counter()
-                x, y = next(batches)
-                data_s += time.perf_counter() - t0
-                loss_sum = loss_sum + pipeline_step(stage, x, y, tc.microbatches, shape, criterion,
-                                                    1.0 / plan.grad_accum, autocast,
-                                                    scaler.scale if scaler is not None else 1.0)
-            if scaler is not None:
-                scaler.step(optimizer)
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            step += 1
-            window_steps += 1
-            if step % tc.log_every == 0 or step == plan.total_steps:
-                loss = loss_sum / window_steps
-                if distributed:  # the loss lives on the last stage; the others add 0
-                    import torch.distributed as dist
-
-                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-                value = float(loss.item())  # waits for the GPU (the all-reduce follows the last stage's work)
-                elapsed = max(time.perf_counter() - window_t0, 1e-9)
-                samples = plan.global_batch * window_steps  # every stage works on every sample
-                rate = session.log_window(step, epoch, value, window_steps, elapsed, data_s, samples, samples)
-                if env.is_main:
-                    print(f"step {step}/{plan.total_steps} epoch {epoch} loss {value:.4f} "
-                          f"step {elapsed / window_steps * 1000:.1f} ms {rate:.1f} samples/s", flush=True)
-                loss_sum = torch.zeros((), device=dev)
-                window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
-            agreed = session.poll(step)
-            if agreed != NONE:
-                break
-            if cc.every_steps and step % cc.every_steps == 0 and step < plan.total_steps:
-                state.save(step, epoch)
-            if step % plan.steps_per_epoch == 0:
-                _end_epoch(session, stage, data, shape, tc.microbatches, epoch, time.perf_counter() - epoch_t0,
-                           tc.val_every_epochs > 0 and (epoch + 1) % tc.val_every_epochs == 0, dev)
-                epoch += 1
-                if step < plan.total_steps:
-                    data.train.set_epoch(epoch, 0)
-                    batches = iter(data.train)
-                    epoch_t0 = time.perf_counter()
-        session.settle()
-        if agreed == NONE and step % plan.steps_per_epoch:
-            _end_epoch(session, stage, data, shape, tc.microbatches, epoch, time.perf_counter() - epoch_t0,
-                       tc.val_every_epochs > 0, dev)
-        state.save(step, epoch)
-    except BaseException:
-        session.end("failed", step, plan.total_steps)
-        raise
-    status = "completed" if agreed == NONE else session.stop_status()  # a user's cancel: cancelled
-    # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
-    session.end(status, step, plan.total_steps)
-    return status
-
-
-@torch.no_grad()
-def _end_epoch(session: Session, stage: Stage, data: Any, shape: Sequence[int], microbatches: int, epoch: int,
-               seconds: float, validate: bool, dev: torch.device) -> None:
-    env, distributed = session.env, session.distributed
-    accuracy = None
-    if validate and data.val is not None:
-        module = stage.module
-        module.eval()
-        counts = torch.zeros(2, dtype=torch.float64, device=dev)
-        data.val.set_epoch(0)
-        for x, y in data.val:  # every stage iterates the same (unsharded) validation batches
-            logits = pipeline_forward(stage, x, microbatches, shape)
-            if logits is not None:
-                counts[0] += (logits.argmax(1) == y).sum()
-                counts[1] += y.numel()
-        module.train()
-        if distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        correct, total = counts.tolist()
-        accuracy = correct / total if total else None
-    session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
-    if env.is_main and accuracy is not None:
-        print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
-
-
-class _State:
-    """Checkpoint save/resume of a pipeline run (engine format; ``model`` is the full state dict)."""
-
-    def __init__(self, session: Session, stage: Stage, optimizer: Any, scheduler: Any, plan: Any,
-                 scaler: LossScale | None = None) -> None:
-        self.session, self.env, self.stage = session, session.env, stage
-        self.optimizer, self.scheduler, self.plan = optimizer, scheduler, plan
-        self.scaler = scaler
-
-    def save(self, step: int, epoch: int) -> None:
-        # CPU copies, gathered to rank 0 only: no rank unpickles another stage's state onto its GPU
-        mine = {"model": self.stage.state_dict(), "optimizer": to_cpu(self.optimizer.state_dict()),
-                "rng": ckpt.capture_rng()}
-        every = self.session.gather_to_main(mine)
-        del mine
-        state: dict[str, Any] | None = None
-        if self.env.is_main:
-            model: dict[str, torch.Tensor] = {}
-            for part in every:
-                model.update(part["model"])
-            plan = self.plan
-            state = {
-                "model": model,
-                "optimizer": {"stages": [part["optimizer"] for part in every]},
-                "optimizer_format": "pipeline",
-                "strategy": "pipeline",
-                "scheduler": self.scheduler.state_dict(),
-                "step": step,
-                "epoch": epoch,
-                "sampler": {"epoch": step // plan.steps_per_epoch,
-                            "batch": (step % plan.steps_per_epoch) * plan.grad_accum},
-                "rng": [part["rng"] for part in every],
-                "world_size": self.env.world_size,
-                "global_batch": plan.global_batch,
-            }
-            if self.scaler is not None:
-                state["loss_scale"] = self.scaler.state_dict()
-        # Rank 0 writes it atomically (the newest checkpoint.keep kept); the others wait on the gloo side group.
-        self.session.save(state, step)
-
-    def resume(self) -> int:
-        """Load the newest checkpoint (chosen by rank 0) into this stage; returns its step (0 if none)."""
-        found = self.session.load_latest()
-        if found is None:
-            return 0
-        state, path = found
-        if state.get("optimizer_format") == "dcp":
-            raise ValidationError(
-                f"checkpoint {path.name} holds FSDP shards (checkpoint.sharded); the pipeline cannot resume it",
-                hint="resume with train.strategy=fsdp, or start a new run directory",
-            )
-        self.stage.load_state_dict(state["model"])
-        stages = state["optimizer"].get("stages") if state.get("optimizer_format") == "pipeline" else None
-        if stages is not None and len(stages) == self.env.world_size:
-            self.optimizer.load_state_dict(stages[self.env.rank])
-            if len(state.get("rng") or []) == self.env.world_size:
-                ckpt.restore_rng(state["rng"][self.env.rank])
-        elif self.env.is_main:
-            warn(f"checkpoint {path.name} was written by a {state.get('strategy', 'ddp')} run with "
-                 f"{state.get('world_size')} rank(s): weights restored, optimizer momentum restarts")
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and "loss_scale" in state:
-            self.scaler.load_state_dict(state["loss_scale"])
-        if self.env.is_main:
-            print(f"cyclone_kit: resumed from {path} at step {state['step']}", flush=True)
-            sys.stdout.flush()
-        return int(state["step"])
 
 
 def to_cpu(obj: Any) -> Any:

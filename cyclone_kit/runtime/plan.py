@@ -9,6 +9,7 @@ follows a cosine decay.
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,17 @@ def begin_segment(session: Session, plan: Any, tc: Any, *, step: int, **start: A
         return False
     session.begin(**engine_start_fields(plan, tc, step=step, **start))
     return True
+
+
+def configure_backends(train: TrainConfig, device_kind: str) -> None:
+    """torch's global switches for ``train`` (both engines): deterministic algorithms (cuDNN
+    autotuning off) when ``train.deterministic``, else cudnn.benchmark on CUDA."""
+    if train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    elif device_kind == "cuda":
+        torch.backends.cudnn.benchmark = True
 
 
 def seed_everything(seed: int) -> None:

@@ -116,15 +116,16 @@ class Session:
             self.writer.write(rec)
 
     def log_window(self, step: int, epoch: int | None, loss: float | None, steps: int, elapsed_s: float,
-                   data_s: float, global_samples: float, local_samples: float) -> float:
+                   data_s: float, global_samples: float, local_samples: float, **extra: Any) -> float:
         """Record a window of ``steps`` steps ending at ``step``: a ``step`` record (rank 0) and
-        the window's rates (for the end record's steady state); returns the global samples/s."""
+        the window's rates (for the end record's steady state); returns the global samples/s.
+        ``extra``: more fields for the step record (the pipeline's per-stage times)."""
         elapsed_s = max(elapsed_s, 1e-9)
         n = max(steps, 1)
         rate = global_samples / elapsed_s
         self.global_rates.append(rate)
         self.local_rates.append(local_samples / elapsed_s)
-        self.write(mx.step_record(step, epoch, loss, elapsed_s / n, data_s / n, rate, mx.utc_now()))
+        self.write(mx.step_record(step, epoch, loss, elapsed_s / n, data_s / n, rate, mx.utc_now(), **extra))
         return rate
 
     # ------------------------------------------------------------------ stop

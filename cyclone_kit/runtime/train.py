@@ -21,7 +21,6 @@ is the loop; :mod:`cyclone_kit.runtime.engine` picks this loop or the pipeline's
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -42,7 +41,15 @@ from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.plan import Plan, begin_segment, lr_factor, make_plan, resolve_precision, seed_everything
+from cyclone_kit.runtime.plan import (
+    Plan,
+    begin_segment,
+    configure_backends,
+    lr_factor,
+    make_plan,
+    resolve_precision,
+    seed_everything,
+)
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
 
@@ -308,12 +315,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
                            t_start=t_start, backend=strategy.pg_backend)
     device, distributed = session.device, session.distributed
     dev = torch.device(device.torch_device)
-    if tc.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-    elif device.kind == "cuda":
-        torch.backends.cudnn.benchmark = True
+    configure_backends(tc, device.kind)  # deterministic, or cudnn.benchmark on CUDA (shared with the pipeline)
 
     channels_last = tc.channels_last and device.kind == "cuda"
     workers = auto_workers(tc.num_workers, worker_cpus(environ, env.local_world_size), tc.dataset != "imagefolder")
@@ -590,6 +592,10 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
     with keep_kernel_choice(optimizer):
         _load_states(state, model, optimizer, sharded, folder)
     scheduler.load_state_dict(state["scheduler"])
+    if state.get("optimizer_format") == "pipeline-dcp":
+        from cyclone_kit.runtime import pipeline_ckpt
+
+        pipeline_ckpt.sync_lr(optimizer, scheduler)
     if scaler is not None and "scaler" in state:
         scaler.load_state_dict(state["scaler"])
     rngs = state.get("rng") or []
@@ -614,6 +620,10 @@ def _load_states(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
                 hint="resume with train.strategy=fsdp on 2 or more ranks, or start a new run directory",
             )
         fsdp_ckpt.load_sharded(folder, state, model, optimizer)
+    elif state.get("optimizer_format") == "pipeline-dcp" and not sharded and folder is not None:
+        from cyclone_kit.runtime import pipeline_ckpt  # a pipeline's stages, by the full model's names
+
+        pipeline_ckpt.load_full(folder / state["model"]["dcp"], model, optimizer)
     elif sharded or fqn:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

@@ -1,6 +1,6 @@
 """Strategies other than DDP, on 2 CPU ranks (gloo, 1 thread each): FSDP, the pipeline split, Horovod.
 
-The ranks are real ``python -m cyclone_kit.runtime`` processes (helpers from test_ddp); every
+The ranks are real ``python -m cyclone_kit.runtime`` processes (helpers from tests/helpers/ranks.py); every
 wait has a timeout. Same data, seed and steps under each strategy, so the losses must agree.
 """
 
@@ -34,10 +34,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     runs = {name: base / name for name in ("ddp", "fsdp", "pipeline")}
     for name, run in runs.items():
         write_spec(run, strategy=name, **COMMON)
-    # The pipeline has no data parallelism: each of its 2 stages sees the whole batch of 64.
-    write_spec(runs["pipeline"], strategy="pipeline", microbatches=4, **{**COMMON, "batch_size": 64})
+    # The pipeline: 4 ranks = 2 stages x 2 replicas, each replica a batch of 32 in 4 micro-batches (1F1B),
+    # so the global batch (64), LR and data order (replica d reads DDP rank d's shard) are DDP's.
+    write_spec(runs["pipeline"], strategy="pipeline", microbatches=4, pipeline_stages=2, pipeline_schedule="1f1b",
+               **COMMON)
     # every_steps=10 in smoke.toml: checkpoints at step 10 and the final 12.
-    procs = start_ranks(runs["ddp"], 2) + start_ranks(runs["fsdp"], 2) + start_ranks(runs["pipeline"], 2)
+    procs = start_ranks(runs["ddp"], 2) + start_ranks(runs["fsdp"], 2) + start_ranks(runs["pipeline"], 4)
     for i, (code, out, err) in enumerate(finish(procs, timeout=RUNS_HANG_S)):
         assert code == 0, f"process {i} exited {code}\n{out}\n{err}"
     return runs
@@ -114,112 +116,98 @@ def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[st
 
 
 # ------------------------------------------------------------------------ pipeline
-PIPELINE_CHILD = r"""
-import contextlib, sys, torch, torch.distributed as dist
-from torch import nn
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.pipeline import pipeline_forward, pipeline_step, split_model, stage_input_shapes
-rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-torch.manual_seed(0)
-model = build_model(sys.argv[5], 10, 32, 3)
-x, y = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(12) % 10
-stages = split_model(model, world)
-shapes = stage_input_shapes(stages, x)
-stage = stages[rank]
-stage.module.eval()  # BatchNorm (resnet18): running statistics, as the unsplit model in eval mode
-logits = pipeline_forward(stage, x, 3, shapes[rank])
-stage.module.train()
-loss = pipeline_step(stage, x, y, int(sys.argv[6]), shapes[rank], nn.CrossEntropyLoss(), 1.0, contextlib.nullcontext)
-grads = {f"{n}.{k}": p.grad for n, m in stage.layers if n for k, p in m.named_parameters()}
-torch.save({"logits": logits, "loss": loss, "grads": grads, "layers": [n for n, _ in stage.layers]}, out)
-dist.destroy_process_group()
-"""
+def test_pipeline_of_2_stages_x_2_replicas_trains_like_ddp(runs: dict[str, Path], tmp_path: Path) -> None:
+    """4 gloo ranks, 2 stages x 2 replicas (torch.distributed.pipelining 1F1B, gradients averaged
+    across the replicas) follow DDP on 2 ranks x 32 (the same global batch, LR and data order):
+    metrics contract, per-stage compute/idle in every step record, a full-model checkpoint."""
+    from cyclone_kit.rundir.contract import PIPELINE_STEP_FIELDS
 
-
-@pytest.mark.parametrize(("model", "microbatches"), [("tiny_cnn", 3), ("resnet18", 1)])
-def test_pipelined_outputs_and_gradients_match_the_unsplit_model(model: str, microbatches: int,
-                                                                 tmp_path: Path) -> None:
-    """2 stages in 2 processes: the last stage's logits (3 micro-batches, eval mode) and every
-    stage's gradients equal the unsplit model's on the same weights and batch. Gradients use 3
-    micro-batches on the GroupNorm CNN; BatchNorm (resnet18) normalises per micro-batch, so
-    its training-mode gradients match the whole batch only with 1 micro-batch."""
-    import subprocess
-    import sys
-
-    from cyclone_kit.runtime.models import build_model
-    from tests.helpers.ranks import TIMEOUT_S, clean_env, free_port
-
-    port = free_port()
-    outs = [tmp_path / f"stage{r}.pt" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", PIPELINE_CHILD, str(r), "2", str(port), str(outs[r]), model,
-                               str(microbatches)],
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=TIMEOUT_S)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        assert p.returncode == 0, f"stage {r}: {err}"
-    first, last = (torch.load(o, weights_only=True) for o in outs)
-    assert first["logits"] is None and first["layers"] and last["layers"]  # two non-empty stages
-    torch.manual_seed(0)
-    reference = build_model(model, 10, 32, 3)
-    x, y = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(12) % 10
-    reference.eval()
-    with torch.no_grad():
-        expected = reference(x)
-    torch.testing.assert_close(last["logits"], expected, rtol=1e-5, atol=1e-5)
-    reference.train()
-    loss = torch.nn.functional.cross_entropy(reference(x), y)
-    loss.backward()
-    assert float(last["loss"]) == pytest.approx(float(loss.detach()), rel=1e-5)
-    grads = {**first["grads"], **last["grads"]}
-    named = dict(reference.named_parameters())
-    assert set(grads) == set(named)
-    for name, g in grads.items():
-        torch.testing.assert_close(g, named[name].grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
-
-
-def test_pipeline_run_through_the_engine_trains_like_ddp(runs: dict[str, Path]) -> None:
-    """Batch 64 through 2 stages x 4 micro-batches follows DDP with 2 ranks x 32 (the same
-    global batch, LR and data order); metrics contract and a full-model checkpoint."""
     ddp = [r["loss"] for r in records(runs["ddp"], "step")]
-    pipe = [r["loss"] for r in records(runs["pipeline"], "step")]
+    steps = records(runs["pipeline"], "step")
+    pipe = [r["loss"] for r in steps]
     diff = max(abs(a - b) for a, b in zip(ddp, pipe, strict=True))
-    print(f"ddp vs pipeline, 12 steps: max |loss difference| {diff:.2e}; final {ddp[-1]:.5f} / {pipe[-1]:.5f}")
+    print(f"ddp vs pipeline 2x2, 12 steps: max |loss difference| {diff:.2e}; final {ddp[-1]:.5f} / {pipe[-1]:.5f}")
     assert len(pipe) == 12 and pipe == pytest.approx(ddp, rel=2e-3, abs=2e-4)
     recs = records(runs["pipeline"])
     start, end = recs[0], recs[-1]
-    assert start["kind"] == "start" and start["strategy"] == "pipeline" and start["world_size"] == 2
-    assert start["stages"] == 2 and start["microbatches"] == 4 and start["global_batch_size"] == 64
+    assert start["kind"] == "start" and start["strategy"] == "pipeline" and start["world_size"] == 4
+    assert (start["stages"], start["replicas"], start["microbatches"], start["pipeline_schedule"]) == (2, 2, 4, "1f1b")
+    assert start["global_batch_size"] == 64 and len(start["balance"]["cuts"]) == 3
+    for rec in steps:
+        for field in PIPELINE_STEP_FIELDS:
+            assert len(rec[field]) == 2 and all(v >= 0 for v in rec[field]), rec
+        assert all(c > 0 for c in rec["stage_compute_s"])
     assert end["kind"] == "end" and end["status"] == "completed" and end["steps"] == 12
     assert [e["val_accuracy"] is not None for e in records(runs["pipeline"], "epoch")] == [True, True]
-    for rank in (0, 1):
+    for rank in range(4):
         assert (runs["pipeline"] / "ranks" / f"rank-{rank:05d}.json").is_file()
-    p_ddp, p_pipe = final_params(runs["ddp"]), final_params(runs["pipeline"])
+    p_ddp, p_pipe = final_params(runs["ddp"]), _pipeline_params(runs["pipeline"], tmp_path)
     assert set(p_pipe) == set(p_ddp)  # the unsplit model's names: a DDP run can load it
     for name in p_ddp:
         torch.testing.assert_close(p_pipe[name], p_ddp[name], rtol=1e-2, atol=2e-3, msg=f"parameter {name}")
 
 
+def _pipeline_params(run: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The full model's tensors of a pipeline run's newest checkpoint (DCP, read back with torch's converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state, path = ck.load_latest(run / "checkpoints")
+    out = tmp_path / "pipeline-model.pt"
+    dcp_to_torch_save(path.parent / state["model"]["dcp"], out)
+    flat = torch.load(out, weights_only=True)
+    return {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+
+
+def _run_pipeline_ranks(run: Path, world: int) -> list[tuple[int, str, str]]:
+    """The ranks on ``run``, under the module's hang guard (4 ranks on 2 busy cores need more than run_ranks')."""
+    results = finish(start_ranks(run, world), timeout=RUNS_HANG_S)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
+    return results
+
+
+def _copy_checkpoint(src: Path, run: Path, step: int) -> None:
+    (run / "checkpoints").mkdir(parents=True)
+    pt = ck.checkpoint_path(src / "checkpoints", step)
+    shutil.copy(pt, run / "checkpoints" / pt.name)
+    dcp = pt.with_suffix(".dcp")
+    if dcp.is_dir():
+        shutil.copytree(dcp, run / "checkpoints" / dcp.name)
+
+
 def test_pipeline_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The step-10 checkpoint (DCP, every stage's tensors) resumes the 2x2 pipeline exactly."""
     src = runs["pipeline"]
     run = tmp_path / "pipeline-resume"
-    (run / "checkpoints").mkdir(parents=True)
+    _copy_checkpoint(src, run, 10)
     shutil.copy(src / "spec.json", run / "spec.json")
-    ten = ck.checkpoint_path(src / "checkpoints", 10)
-    shutil.copy(ten, run / "checkpoints" / ten.name)
-    results = run_ranks(run, 2)
+    state = ck.load_checkpoint(run / "checkpoints" / "ckpt-000000010.pt")
+    assert state["optimizer_format"] == "pipeline-dcp" and state["pipeline"]["stages"] == 2
+    results = _run_pipeline_ranks(run, 4)
     assert "at step 10" in results[0][1]
     resumed = {r["step"]: r["loss"] for r in records(run, "step")}
     full = {r["step"]: r["loss"] for r in records(src, "step")}
     assert sorted(resumed) == [11, 12]
     assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
+    assert records(run, "start")[0]["balance"]["cuts"] == records(src, "start")[0]["balance"]["cuts"]
 
+
+def test_a_ddp_run_loads_the_pipeline_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The pipeline's DCP checkpoint speaks the full model's names: DDP on 2 ranks resumes from it
+    (weights and momentum) and continues on DDP's own trajectory; its final weights match."""
+    run = tmp_path / "ddp-from-pipeline"
+    _copy_checkpoint(runs["pipeline"], run, 10)
+    shutil.copy(runs["ddp"] / "spec.json", run / "spec.json")
+    results = _run_pipeline_ranks(run, 2)
+    assert "at step 10" in results[0][1]
+    resumed = {r["step"]: r["loss"] for r in records(run, "step")}
+    ddp = {r["step"]: r["loss"] for r in records(runs["ddp"], "step")}
+    assert sorted(resumed) == [11, 12]
+    assert [resumed[s] for s in (11, 12)] == pytest.approx([ddp[s] for s in (11, 12)], rel=2e-3, abs=2e-4)
+    p_ddp, p_run = final_params(runs["ddp"]), final_params(run)
+    assert set(p_run) == set(p_ddp)
+    for name in p_ddp:
+        torch.testing.assert_close(p_run[name], p_ddp[name], rtol=1e-2, atol=2e-3, msg=f"parameter {name}")
 
 
 # ------------------------------------------------------------------------ analysis
@@ -233,10 +221,11 @@ def test_one_report_over_ddp_fsdp_and_pipeline_runs_groups_them_by_strategy(runs
     write_report([runs["ddp"], runs["fsdp"], runs["pipeline"]], out)
     table = pd.read_csv(out / "scaling.csv")
     assert sorted(table["strategy"]) == ["ddp", "fsdp", "pipeline"]
-    assert (table["world_size"] == 2).all() and (table["samples_per_s"] > 0).all()
+    assert sorted(table["world_size"]) == [2, 2, 4] and (table["samples_per_s"] > 0).all()
     md = (out / "report.md").read_text()
     for strategy in ("ddp", "fsdp", "pipeline"):
         assert f"Scaling table ({strategy})" in md
+    assert f"Pipeline ({runs['pipeline'].name})" in md and "bubble measured" in md and "(P-1)/(M+P-1)" in md
 
 
 # ------------------------------------------------------------------------ Horovod (when built)

@@ -1,4 +1,5 @@
-"""Pure parts of the pipeline and Horovod strategies: the stage split, the missing-Horovod error, horovodrun."""
+"""Pure parts of the pipeline and Horovod strategies: the loss scale, the missing-Horovod error, horovodrun
+(the pipeline's split: test_pipeline_split.py)."""
 
 from __future__ import annotations
 
@@ -10,41 +11,6 @@ import torch
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.hvd import gloo_slot_env, horovodrun_command, import_horovod, node_key, uses_gloo_rendezvous
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.pipeline import split_model, split_points
-
-
-def test_split_points_balance_the_sums_and_keep_every_stage_non_empty() -> None:
-    assert split_points([1, 1, 1, 1], 2) == [0, 2]
-    assert split_points([10, 1, 1, 1], 2) == [0, 1]
-    assert split_points([1, 1, 1, 10], 2) == [0, 3]
-    assert split_points([1, 1, 1, 100], 4) == [0, 1, 2, 3]
-    assert split_points([5], 1) == [0]
-    with pytest.raises(ValidationError, match="cannot split 2 layers into 3"):
-        split_points([1, 1], 3)
-
-
-@pytest.mark.parametrize("name", ["tiny_cnn", "resnet18", "mobilenet_v3_small"])
-def test_stages_chained_equal_the_model_and_cover_its_state_dict(name: str) -> None:
-    torch.manual_seed(0)
-    model = build_model(name, 10, 32, 3).eval()
-    x = torch.randn(2, 3, 32, 32)
-    for n in (2, 3):
-        stages = split_model(model, n)
-        assert len(stages) == n and all(s.layers for s in stages)
-        out = x
-        with torch.no_grad():
-            for s in stages:
-                out = s.module(out)
-            expected = model(x)
-        torch.testing.assert_close(out, expected)
-        merged = {k: v for s in stages for k, v in s.state_dict().items()}
-        assert set(merged) == set(model.state_dict())
-
-
-def test_vit_cannot_be_split() -> None:
-    with pytest.raises(ValidationError, match="cannot split a VisionTransformer"):
-        split_model(build_model("vit_b_16", 10, 32, 3), 2)
 
 
 def test_missing_horovod_is_a_one_line_error_naming_the_module_and_the_build_script(
@@ -114,55 +80,6 @@ def test_rendezvous_plan_sizes_horovods_scopes() -> None:
     server.scope_size = {}
     server._extract_scope_size(plan)
     assert server.scope_size == {"global": 4, "local_c1": 2, "local_c2": 2, "cross_0": 2, "cross_1": 2}
-
-
-# ------------------------------------------------------------------ pipeline schedule: send/recv order (issue 16)
-def _old_interleaved_schedule(index: int, num_stages: int, microbatches: int) -> list:
-    """The schedule before issue 16: the last stage ran each micro-batch's backward (and sent its
-    gradient) right after its forward, while the stage before it was still sending activations."""
-    from cyclone_kit.runtime.pipeline import Op
-
-    first, last = index == 0, index == num_stages - 1
-    ops = []
-    for m in range(microbatches):
-        if not first:
-            ops.append(Op("recv_act", m, index - 1))
-        ops.append(Op("forward", m))
-        if last:
-            ops.append(Op("backward", m))
-            if not first:
-                ops.append(Op("send_grad", m, index - 1))
-        else:
-            ops.append(Op("send_act", m, index + 1))
-    if not last:
-        for m in range(microbatches):
-            ops += [Op("recv_grad", m, index + 1), Op("backward", m)]
-            if not first:
-                ops.append(Op("send_grad", m, index - 1))
-    return ops
-
-
-@pytest.mark.parametrize(("stages", "microbatches"), [(2, 1), (2, 4), (3, 3), (4, 8)])
-def test_pipeline_schedule_sends_and_receives_match_in_order(stages: int, microbatches: int) -> None:
-    from cyclone_kit.runtime.pipeline import order_mismatches, schedule
-
-    plans = [schedule(k, stages, microbatches) for k in range(stages)]
-    assert order_mismatches(plans) == []
-    for k, ops in enumerate(plans):  # every micro-batch has one forward and one backward, forward first
-        for m in range(microbatches):
-            kinds = [op.kind for op in ops if op.micro == m and op.peer is None]
-            assert kinds == ["forward", "backward"], (k, m)
-
-
-@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (3, 4)])
-def test_the_old_interleaved_schedule_breaks_the_matching_order_rule(stages: int, microbatches: int) -> None:
-    """The rule catches what deadlocks on NCCL: the last stage sends gradient 0 while its
-    neighbour still sends activation 1 (both block above NCCL's buffer size)."""
-    from cyclone_kit.runtime.pipeline import order_mismatches
-
-    problems = order_mismatches([_old_interleaved_schedule(k, stages, microbatches) for k in range(stages)])
-    assert problems and f"stages {stages - 2}-{stages - 1}, operation 1" in problems[-1]
-    assert "('send', 'act', 1)" in problems[-1] and "('send', 'grad', 0)" in problems[-1]
 
 
 def test_loss_scale_skips_a_step_with_inf_gradients_and_halves_the_scale() -> None:

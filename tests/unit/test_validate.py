@@ -88,3 +88,19 @@ def test_spec_refusals(data, fragment):
 def test_unknown_profile():
     with pytest.raises(ValidationError, match=r"unknown profile 'nope'.*HINT.*cyclone"):
         load_profile("nope")
+
+
+@pytest.mark.parametrize(("train", "fragment"), [
+    ({"pipeline_stages": 3}, "train.pipeline_stages=3 does not divide the job's 4 ranks"),
+    ({"batch_size": 30, "microbatches": 4}, "does not split into 4 equal micro-batches"),
+    ({"pipeline_schedule": "1f1b", "microbatches": 2}, "needs train.microbatches >= 4 stages"),
+])
+def test_pipeline_layout_refusals_before_the_queue(train, fragment):
+    spec = spec_from_dict({"train": {"strategy": "pipeline", **train},
+                           "resources": {"profile": "local", "nodes": 2, "ntasks_per_node": 2}})
+    with pytest.raises(ValidationError, match=fragment) as err:
+        resolve(spec, load_profile("local"))
+    assert err.value.hint
+    ok = spec_from_dict({"train": {"strategy": "pipeline", "pipeline_stages": 2},
+                         "resources": {"profile": "local", "nodes": 2, "ntasks_per_node": 2}})
+    assert resolve(ok, load_profile("local")).world_size == 4

@@ -1,0 +1,100 @@
+"""The pipeline (issue 24) as real jobs on the local Slurm cluster across c1 and c2, requeued once.
+
+Two ResNet-18 (32 px) jobs at once, 2 nodes x 2 tasks each: a pipeline of 4 stages (GPipe) and a
+2 x 2 layout (2 stages x 2 replicas, 1F1B). As in test_requeue.py, the test sends the requeue
+signal itself as soon as a job's first step record appears (``scancel --signal=USR2``, what
+``#SBATCH --signal`` does): each checkpoints with torch.distributed.checkpoint, requeues, resumes
+on the recorded split and completes; every optimizer step appears exactly once. The scaling
+report over both runs then shows the bubble per stage against (P-1)/(M+P-1) and the balance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cyclone_kit.backends.slurm import SlurmBackend
+from cyclone_kit.core.proc import run_command
+from cyclone_kit.slurm.states import JobState
+from tests.helpers.slurm_jobs import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
+
+#: hang guard only (a broken job): 8 ResNet-18 ranks share 2 cores here; every wait is for an event
+HANG_S = 1200
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2 * HANG_S)]
+
+STEPS = 16
+COMMON = ("--nodes", "2", "--ntasks-per-node", "2", "--time", "20")
+SETS = ("train.strategy=pipeline", "train.model=resnet18", "train.image_size=32", "train.batch_size=8",
+        "train.microbatches=4", "train.log_every=1", f"train.steps={STEPS}", "train.val_samples=16")
+LAYOUTS = {"4 stages": ("train.pipeline_stages=4", "train.pipeline_schedule=gpipe"),
+           "2x2": ("train.pipeline_stages=2", "train.pipeline_schedule=1f1b")}
+
+
+def _ends(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_records(run_dir) if r["kind"] == "end"]
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Submit both; signal each once it trains; wait for both to end."""
+    backend = SlurmBackend()
+    runs = tmp_path_factory.mktemp("pipeline")
+    submitted = {name: submit_smoke(runs, *COMMON, sets=(*SETS, *extra)) for name, extra in LAYOUTS.items()}
+    out: dict[str, Any] = {}
+    try:
+        for job_id, run_dir in submitted.values():
+            wait_for(lambda d=run_dir: steps_logged(d) > 0, HANG_S, f"job {job_id}'s first step record", poll=0.1)
+            run_command(["scancel", "--signal=USR2", job_id], timeout=60)
+        for name, (job_id, run_dir) in submitted.items():
+            wait_for(lambda d=run_dir: _ends(d), HANG_S, f"job {job_id} to stop on the signal", poll=0.2)
+            out[name] = (job_id, run_dir, backend.wait(job_id, timeout=HANG_S))
+    finally:
+        for job_id, _ in submitted.values():
+            cancel_quietly(backend, job_id)
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pipeline_job_requeues_resumes_and_runs_every_step_once(name: str, jobs: dict[str, Any]) -> None:
+    job_id, run_dir, info = jobs[name]
+    records = read_records(run_dir)
+    logs = "".join(p.read_text(errors="replace")[-3000:] for p in sorted((run_dir / "logs").glob("*")))
+    assert info.state is JobState.COMPLETED, f"job {job_id} {info.state}\n{logs}"
+    starts = [r for r in records if r["kind"] == "start"]
+    ends = [r for r in records if r["kind"] == "end"]
+    assert [e["status"] for e in ends] == ["preempted", "completed"], ends
+    assert [s["restart_count"] for s in starts] == [0, 1]
+    stopped_at = ends[0]["steps"]
+    assert 0 < stopped_at < STEPS, "the signal came after the run had finished: nothing was tested"
+    assert starts[1]["start_step"] == stopped_at
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, STEPS + 1)), "every optimizer step exactly once, in order, across the requeue"
+    stages, replicas = (4, 1) if name == "4 stages" else (2, 2)
+    for s in starts:
+        assert (s["world_size"], s["stages"], s["replicas"], s["model"]) == (4, stages, replicas, "resnet18")
+        assert sorted(s["hostnames"]) == ["c1", "c2"] and s["launcher"] == "slurm"
+    assert starts[1]["balance"]["cuts"] == starts[0]["balance"]["cuts"], "the resumed run keeps the recorded split"
+    for r in records:
+        if r["kind"] == "step":
+            assert len(r["stage_compute_s"]) == len(r["stage_idle_s"]) == stages
+    assert not (run_dir / "failure.json").exists()
+    print(f"{name}: job {job_id} stopped at step {stopped_at}/{STEPS}, balance "
+          f"{starts[0]['balance']['max_over_mean']:.2f}, final loss {records[-2].get('loss')}")
+
+
+def test_report_shows_bubble_and_balance_of_both_pipelines(jobs: dict[str, Any], tmp_path: Path) -> None:
+    from cyclone_kit.analysis.report import write_report
+
+    dirs = [run_dir for _, run_dir, _ in jobs.values()]
+    write_report(dirs, tmp_path / "report", accounting=False)
+    md = (tmp_path / "report" / "report.md").read_text()
+    for run_dir in dirs:
+        assert f"## Pipeline ({run_dir.name})" in md
+    section = md[md.index("## Pipeline"):]
+    print(section[:3000])
+    assert "(P-1)/(M+P-1) = 42.9 %" in section  # 4 stages, 4 micro-batches: 3/7
+    assert "(P-1)/(M+P-1) = 20.0 %" in section  # 2 stages, 4 micro-batches: 1/5
+    assert "bubble measured" in section and "slowest stage / mean" in section
