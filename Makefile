@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup data slurm-up slurm-down horovod demo test unit lint bench golden clean
+.PHONY: setup data slurm-up slurm-down horovod demo test unit lint bench golden wheelhouse clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ test: setup data slurm-up horovod
 
 bench: setup
 	$(PY) bench/run_all.py
+
+# .whl/: the project's pure-Python dependencies as wheels, for a GPU machine that has torch and nothing
+# else (bench/gpu_check.sh installs from it what its preflight finds missing).
+wheelhouse: setup
+	$(PY) bench/wheelhouse.py --out .whl
 
 # Regenerate the golden sbatch scripts after an intended template change; review the diff.
 golden: setup

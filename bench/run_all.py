@@ -41,7 +41,7 @@ GPU_DEFAULT = f"""{GPU_BEGIN}
 ## GPU check (bench/gpu_check.sh)
 
 **Not run on a GPU yet.** No machine with an NVIDIA GPU has been available to this project so far.
-The script's CPU path (`CK_GPU_CHECK_CPU=1 bash bench/gpu_check.sh`: same code, tiny model,
+The script's CPU dry run (`bash bench/gpu_check.sh --cpu-dry-run`: same code, tiny model,
 4 steps, gloo instead of NCCL) runs in the test suite. When it has run on a GPU, paste what it
 printed here (this section is kept when `make bench` rewrites the file).
 {GPU_END}"""

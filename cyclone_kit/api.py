@@ -134,7 +134,13 @@ class _Run:
     def flush_window(self, step: int) -> None:
         if not self.window_steps:
             return
-        loss, bad = _mean_loss(self.window_losses) if self.ctx.is_main else (None, 0)  # a tensor loss: the sync
+        # The window ends when its steps are done on the device, not when the host has queued them:
+        # the clock is read after the loss read (its .item() waits for the device), or after a device
+        # synchronize when the script logged no tensor loss. Every rank waits, so each rank's own rate
+        # (its summary) is measured the same way as rank 0's.
+        loss, bad = _mean_loss(self.window_losses)
+        if not any(hasattr(x, "float") for x in self.window_losses):
+            _synchronize(self.ctx.device)
         now = time.perf_counter()
         phases = None
         if self.timer is not None:
@@ -143,8 +149,10 @@ class _Run:
             if not self.data_timed:
                 phases["data_time_s"] = None  # no loader given: data loading is inside other_time_s
         samples = self.window_samples
-        self.session.log_window(step, None, loss, self.window_steps, now - self.window_t0, None, samples,
-                                samples / self.ctx.world_size, nonfinite_steps=bad, phases=phases)
+        main = self.ctx.is_main  # rank 0 records the loss and counts the non-finite steps
+        self.session.log_window(step, None, loss if main else None, self.window_steps, now - self.window_t0, None,
+                                samples, samples / self.ctx.world_size, nonfinite_steps=bad if main else 0,
+                                phases=phases)
         self.window_t0, self.window_steps, self.window_samples = now, 0, 0.0
         self.window_losses = []
 
@@ -255,7 +263,9 @@ def log_step(step: int, samples: float | None = None, loss: Any = None) -> None:
 
     Rank 0 writes a ``step`` record every ``log_every`` steps: global samples/s over the window,
     time per step and rank 0's mean loss. A tensor loss is read only at the window's end (no
-    per-step device sync). The first call also writes the run's ``start`` record, with the
+    per-step device sync); the window's clock stops after that read (or, with no tensor loss, after
+    a CUDA synchronize), so the rate counts work the device finished, not work the host queued.
+    The first call also writes the run's ``start`` record, with the
     batch sizes taken from ``samples``.
 
     Args:
@@ -277,7 +287,7 @@ def log_step(step: int, samples: float | None = None, loss: Any = None) -> None:
     run.window_steps += 1
     if samples:
         run.window_samples += samples
-    if loss is not None and run.ctx.is_main:
+    if loss is not None:
         run.window_losses.append(loss.detach() if hasattr(loss, "detach") else loss)
     if run.timer is not None:
         run.timer.script_step_done()
@@ -474,6 +484,14 @@ def _new_run_dir(session: Any) -> Path:
 def _script_name() -> str:
     name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-") else ""
     return name or "script"
+
+
+def _synchronize(device: Any) -> None:
+    """Wait for ``device``'s queued work (CUDA only; the CPU runs its ops as they are called)."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def _mean_loss(losses: list[Any]) -> tuple[float | None, int]:

@@ -69,6 +69,48 @@ def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith(FOREIGN_PREFIXES) and k not in FOREIGN_NAMES}
 
 
+#: Where the NVIDIA driver lists this machine's GPUs (one folder each), read without importing torch.
+NVIDIA_GPU_DIR = Path("/proc/driver/nvidia/gpus")
+
+
+def visible_gpus(environ: Mapping[str, str], driver_dir: Path = NVIDIA_GPU_DIR) -> list[str]:
+    """The GPUs ranks started from ``environ`` would see: ``CUDA_VISIBLE_DEVICES``'s entries when it
+    is set (empty, ``-1`` or ``none``: no GPU), else one index per GPU the NVIDIA driver lists."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        entries = [e.strip() for e in environ["CUDA_VISIBLE_DEVICES"].split(",") if e.strip()]
+        return [] if not entries or entries[0] in ("-1", "none", "NoDevFiles") else entries
+    try:
+        count = sum(1 for _ in driver_dir.iterdir())
+    except OSError:
+        return []
+    return [str(i) for i in range(count)]
+
+
+def gpu_slices(gpus: Sequence[str], nproc: int, nodes: int) -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` of each pretend node (pure): all of ``gpus`` for one node, a disjoint
+    slice of ``nproc / nodes`` GPUs for each of several (they share this host's GPUs, and each
+    rank takes ``cuda:LOCAL_RANK`` of its slice); None when there is no GPU.
+
+    Raises:
+        ValidationError: more ranks than GPUs: two ranks would take one GPU, which NCCL refuses
+            ("Duplicate GPU detected").
+    """
+    if not gpus:
+        return None
+    if nproc > len(gpus):
+        where = f"--nproc={nproc}" + (f" over --nodes={nodes}" if nodes > 1 else "")
+        raise ValidationError(
+            f"{where} needs {nproc} GPUs, but this machine shows {len(gpus)} (CUDA_VISIBLE_DEVICES "
+            f"{','.join(gpus)}): ranks would share a GPU, which NCCL refuses ('Duplicate GPU detected')",
+            hint=f"use --nproc {len(gpus)} or fewer (pretend nodes split this machine's GPUs), or --cpu to "
+                 "train on the CPU with gloo",
+        )
+    if nodes == 1:
+        return [",".join(gpus)]
+    per_node = nproc // nodes
+    return [",".join(gpus[k * per_node:(k + 1) * per_node]) for k in range(nodes)]
+
+
 def rank_environments(
     nproc: int,
     nodes: int,

@@ -28,7 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from cyclone_kit.backends.local_env import available_cores, free_port, new_job_id, rank_environments, threads_per_rank
+from cyclone_kit.backends.local_env import (
+    available_cores,
+    free_port,
+    gpu_slices,
+    new_job_id,
+    rank_environments,
+    threads_per_rank,
+    visible_gpus,
+)
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.entry import trainer_words
 from cyclone_kit.rundir.failures import read_error_record, signal_name
@@ -274,10 +282,13 @@ def launch(
     logs.mkdir(parents=True, exist_ok=True)
     threads = threads or threads_per_rank(nproc, available_cores())
     job_id = new_job_id()
+    base = os.environ if environ is None else environ
     envs = rank_environments(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads,
-                             run_dir=run_dir, job_name=job_name, base=os.environ if environ is None else environ,
-                             submit_dir=str(cwd) if cwd else None)
+                             run_dir=run_dir, job_name=job_name, base=base, submit_dir=str(cwd) if cwd else None)
     envs = [{**env, **(extra_env or {})} for env in envs]
+    slices = gpu_slices(visible_gpus({**base, **(extra_env or {})}), nproc, nodes)
+    if slices is not None:  # each pretend node its own GPUs
+        envs = [{**env, "CUDA_VISIBLE_DEVICES": slices[int(env["SLURM_NODEID"])]} for env in envs]
     argv = list(command) if command else [sys.executable, *trainer_words(run_dir)]
 
     procs: list[subprocess.Popen[bytes]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def resume_env(args: argparse.Namespace) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
     from cyclone_kit.backends.local import LocalBackend, local_job
-    from cyclone_kit.backends.local_env import working_directory
+    from cyclone_kit.backends.local_env import gpu_slices, visible_gpus, working_directory
     from cyclone_kit.backends.srun_emulator import format_failure, launch, record_submission
     from cyclone_kit.config.job import load_spec, spec_from_dict, spec_to_dict
     from cyclone_kit.config.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
@@ -72,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if args.restart_from_scratch and not args.resume:
         raise ValidationError("--restart-from-scratch is for --resume RUN_DIR",
                               hint="a new run starts at step 0 anyway; drop the flag or add --resume RUN_DIR")
+    if args.nproc and args.nodes:  # before any run directory: ranks that would share a GPU
+        gpu_slices(visible_gpus({**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {})}),
+                   args.nproc, args.nodes)
     if args.resume:
         rd = RunDir(Path(args.resume).absolute())
         if not rd.is_run_dir():

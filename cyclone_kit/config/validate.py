@@ -140,6 +140,7 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
             hint=f"use resources.mem={part.memory_gb}G or less, or leave it out",
         )
 
+    check_script_gpu_layout(spec, profile, gpus, tasks)
     account = res.account or profile.account
     job = ResolvedJob(spec, profile, part, res.nodes, gpus, tasks, cpus, time_s, account)
     _check_pipeline(job)
@@ -167,4 +168,35 @@ def _check_pipeline(job: ResolvedJob) -> None:
         raise ValidationError(
             f"train.pipeline_schedule={tc.pipeline_schedule} needs train.microbatches >= {stages} stages",
             hint=f"--set train.microbatches={stages} (or more), or train.pipeline_schedule=gpipe",
+        )
+
+
+#: ``--gpu-bind`` values that leave a task one GPU of its node (``none`` leaves it all of them).
+_ONE_GPU_BINDS = ("single", "per_task", "map_gpu", "mask_gpu", "closest")
+
+
+def check_script_gpu_layout(spec: JobSpec, profile: ClusterProfile, gpus: int, tasks: int) -> None:
+    """Refuse a script job whose tasks would each see one GPU of a node running several ranks (pure).
+
+    The launch shim gives a script torchrun's variables, and torchrun's workers see every GPU of
+    their node: scripts take ``cuda:LOCAL_RANK``. Under ``--gpus-per-task=1`` or ``--gpu-bind=single:1``
+    each task sees its GPU as ``cuda:0``, so local rank 1 fails with "invalid device ordinal"
+    (the built-in trainer and ``ck.init()``'s ``ctx.device`` cope with both layouts; a script may not).
+
+    Raises:
+        ValidationError: a script job with several ranks per node and such a binding or request.
+    """
+    per_node = gpus if spec.resources.launcher == "torchrun" else tasks
+    if spec.script is None or not gpus or per_node < 2:
+        return
+    binds = [b.split("=", 1)[1] for b in profile.srun_binding if b.startswith("--gpu-bind=")]
+    extra = [d for d in (*profile.extra_sbatch, *spec.resources.extra_sbatch)
+             if d.replace(" ", "=").startswith("--gpus-per-task")]
+    one_gpu = [f"gpu_bind = {b!r}" for b in binds if b.split(":")[0].split(",")[-1] in _ONE_GPU_BINDS] + extra
+    if one_gpu:
+        raise ValidationError(
+            f"script job with {per_node} ranks per node, but {one_gpu[0]} gives each task one GPU: a script that "
+            "takes cuda:LOCAL_RANK (torchrun's layout, which the launch shim gives scripts) fails on local rank 1",
+            hint="let every task see its node's GPUs: gpu_bind = \"none\" in the profile and no --gpus-per-task "
+                 "(or read the device from ck.init()'s ctx.device, which copes with either layout)",
         )

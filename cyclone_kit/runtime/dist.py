@@ -239,8 +239,10 @@ def init_process_group(env: DistEnv, device: DeviceChoice, timeout_s: int, backe
     """Join the process group (TCP rendezvous at master_addr:master_port).
 
     A world of one process needs no group and gets none (returns False). On CUDA the device
-    is selected first and NCCL's asynchronous error handling is on, so a dead peer raises
-    after ``timeout_s`` rather than hanging. ``backend`` overrides the device's (Horovod's side
+    is selected first. NCCL's asynchronous error handling is torch's own default (mode 3,
+    SkipCleanUp: the watchdog tears the process down after ``timeout_s`` without calling
+    ``ncclCommAbort``, which torch warns can itself hang); the mode 1 this used to force does call
+    it. A ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` the job sets is left as it is. ``backend`` overrides the device's (Horovod's side
     channel is gloo even on GPUs: Horovod moves the gradients, a second NCCL world would only
     take GPU memory and NCCL's watchdog).
 
@@ -259,7 +261,6 @@ def init_process_group(env: DistEnv, device: DeviceChoice, timeout_s: int, backe
     backend = backend or device.backend
     if device.kind == "cuda":
         torch.cuda.set_device(device.index)
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     kwargs: dict[str, Any] = {}
     if device.kind == "cuda" and backend == "nccl":
         kwargs["device_id"] = torch.device(device.torch_device)

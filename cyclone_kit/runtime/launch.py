@@ -282,11 +282,31 @@ def _check_hash(shim: ShimArgs, spec: Any) -> None:
              "the run directory's script/ folder holds the submitted copy")
 
 
+def one_gpu_layout(environ: Mapping[str, str], local_rank: int, local_world_size: int) -> str | None:
+    """A warning when this task sees one GPU while its node runs several ranks (pure), else None.
+
+    Then ``cuda:LOCAL_RANK``, torchrun's layout that the exported variables promise, does not
+    exist on local rank 1 and above ("invalid device ordinal"): ``--gpus-per-task=1`` or
+    ``--gpu-bind=single:1`` in a hand-written job script (``submit`` refuses such a script job).
+    The script may pick ``cuda:0`` or ``ctx.device`` and be right, so this warns and runs it.
+    """
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if len(visible) != 1 or local_world_size < 2 or visible[0] in ("-1", "none", "NoDevFiles"):
+        return None
+    return (f"warning: this task sees one GPU (CUDA_VISIBLE_DEVICES={visible[0]}) but its node runs {local_world_size} "
+            f"ranks (LOCAL_RANK={local_rank}): a script that takes cuda:LOCAL_RANK fails with 'invalid device ordinal'. "
+            "HINT: let every task see its node's GPUs (srun --gpu-bind=none, no --gpus-per-task), or take the "
+            "device from ck.init()'s ctx.device or cuda:LOCAL_RANK % torch.cuda.device_count()")
+
+
 def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str]) -> Any:
     """Detect this rank, export the torchrun variables (and Horovod's), return the DistEnv."""
     from cyclone_kit.runtime.env import detect
 
     env = detect(environ)
+    layout = one_gpu_layout(environ, env.local_rank, env.local_world_size)
+    if layout and env.local_rank > 0:  # the ranks whose cuda:LOCAL_RANK is missing say so
+        _say(layout)
     variables = torchrun_variables(env)
     if env.launcher == "single" and not environ.get("MASTER_PORT"):
         with socket.socket() as s:  # alone on this host: any free port, not a fixed default

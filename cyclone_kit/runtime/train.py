@@ -54,30 +54,68 @@ from cyclone_kit.runtime.plan import (
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
 
-__all__ = ["STRATEGIES", "Strategy", "gather_hosts", "gather_to_main", "optimizer_step", "place_model", "strategy_for",
-           "train", "unwrap", "use_static_graph", "wrap_model"]
-
-
-# --------------------------------------------------------------------------- pure schedule maths
-
-
-
-
-
+__all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "fsdp_mixed_precision", "gather_hosts", "gather_to_main",
+           "keep_kernel_choice", "make_optimizer", "optimizer_step", "place_model", "strategy_for", "train", "unwrap",
+           "use_fused_sgd", "use_static_graph", "wrap_model"]
 
 
 
 
 
 # --------------------------------------------------------------------------- strategies
+#: Strategies whose collectives need contiguous parameters and gradients, so the conv weights stay
+#: contiguous under channels_last: FSDP2's ``fully_shard`` ("FSDP does not support non-contiguous
+#: parameters", torch 2.14), and Horovod 0.28, whose ``_check_function`` raises "Tensor is required
+#: to be contiguous." at the first broadcast of a channels_last weight (horovod/torch/mpi_ops.py) and
+#: would at the all-reduce of its gradient (autograd gives a parameter's gradient its strides).
+CONTIGUOUS_PARAMS = ("fsdp", "horovod")
+
+
 def place_model(model: nn.Module, dev: torch.device, strategy: str, channels_last: bool) -> nn.Module:
-    """Move ``model`` to ``dev``; with ``channels_last``, its conv weights too, except under FSDP:
-    ``fully_shard`` refuses non-contiguous parameters ("FSDP does not support non-contiguous
-    parameters", torch 2.14), and channels_last inputs alone give channels_last convolutions."""
+    """Move ``model`` to ``dev``; with ``channels_last``, its conv weights too, except under the
+    strategies of :data:`CONTIGUOUS_PARAMS`. There channels_last inputs alone still give
+    channels_last convolutions (cuDNN picks NHWC when the input or the weight is; the weight is
+    converted per call, and its gradient comes back in the parameter's own, contiguous layout)."""
     model = model.to(dev)
-    if channels_last and strategy != "fsdp":
+    if channels_last and strategy not in CONTIGUOUS_PARAMS:
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     return model
+
+
+def use_fused_sgd(strategy: str, device_kind: str) -> bool:
+    """Whether the engine's SGD is ``fused=True`` (pure): on CUDA under DDP (and on one GPU).
+
+    Fused SGD sets ``_step_supports_amp_scaling``, so ``GradScaler.step`` hands it ``grad_scale``
+    and ``found_inf`` as tensors and the kernel skips an overflowed step on the device; plain SGD
+    goes through ``GradScaler._maybe_opt_step``, whose ``found_inf.item()`` syncs the host every
+    fp16 step (torch 2.14 torch/amp/grad_scaler.py). Not under FSDP2 (DTensor has no sharding rule
+    for ``aten._fused_sgd_``: NotImplementedError), not under Horovod (its DistributedOptimizer
+    re-runs ``SGD.__init__`` without ``fused``, and its ``synchronize()`` waits on the host anyway),
+    not on the CPU (unchanged numerics there; nothing to sync)."""
+    return device_kind == "cuda" and strategy == "ddp"
+
+
+def make_optimizer(model: nn.Module, lr: float, train: TrainConfig, fused: bool) -> torch.optim.Optimizer:
+    """The engine's SGD over ``model``'s parameters (``fused`` per :func:`use_fused_sgd`)."""
+    extra = {"fused": True} if fused else {}
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=train.momentum, weight_decay=train.weight_decay,
+                           **extra)
+
+
+def fsdp_mixed_precision(precision: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for the run's resolved precision, or None for fp32.
+
+    bf16 (compute capability 8.0+, :func:`~cyclone_kit.runtime.plan.resolve_precision`): bf16
+    unsharded parameters, all-gathers and gradient reduce-scatters; fp16 (below 8.0, with the
+    GradScaler) likewise in fp16. Without a policy FSDP2 moves fp32, twice the bytes, while
+    autocast computes in 16 bits anyway. The sharded parameters and the optimizer stay fp32.
+    """
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Any, horovod: bool = False) -> None:
@@ -133,9 +171,11 @@ def _wrap_fsdp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distr
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.kind, (dist.get_world_size(),))
+    policy = fsdp_mixed_precision(resolve_precision(train.precision, device.kind, device.native_bf16))
+    extra = {"mp_policy": policy} if policy is not None else {}  # every unit: a child without it would see fp32
     for block in _shard_units(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **extra)
+    fully_shard(model, mesh=mesh, **extra)
     return model
 
 
@@ -297,7 +337,7 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
     seed_everything(tc.seed + env.rank)  # per-rank streams (dropout, augmentation)
     wrapped = strategy.wrap(model, device, tc, distributed)
     runner = torch.compile(wrapped) if tc.compile else wrapped
-    optimizer = torch.optim.SGD(model.parameters(), lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    optimizer = make_optimizer(model, plan.lr, tc, use_fused_sgd(tc.strategy, device.kind))
     if strategy.optimizer is not None:
         optimizer = strategy.optimizer(optimizer, model, tc)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -582,8 +622,43 @@ def _phase_timer(strategy: Strategy, dev: torch.device, environ: Mapping[str, st
     return timer
 
 
+@contextlib.contextmanager
+def keep_kernel_choice(optimizer: torch.optim.Optimizer) -> Any:
+    """Keep each param group's ``fused``/``foreach`` through a ``load_state_dict`` inside the block.
+
+    A state dict carries its writer's hyperparameters, these included: loading one written by a
+    plain SGD (an older run, the CPU) into a fused one would set ``fused=False`` while the optimizer
+    still says ``_step_supports_amp_scaling``, and GradScaler.step would then hand grad_scale and
+    found_inf to the plain kernel ("Expected grad_scale and found_inf to be None", torch 2.14).
+    """
+    choice = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    yield
+    for group, kept in zip(optimizer.param_groups, choice, strict=True):
+        group.update(kept)
+
+
 def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              scaler: Any, env: DistEnv, sharded: bool = False, folder: Path | None = None) -> int:
+    with keep_kernel_choice(optimizer):
+        _load_states(state, model, optimizer, sharded, folder)
+    scheduler.load_state_dict(state["scheduler"])
+    if state.get("optimizer_format") == "pipeline-dcp":
+        from cyclone_kit.runtime import pipeline_ckpt
+
+        pipeline_ckpt.sync_lr(optimizer, scheduler)
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    rngs = state.get("rng") or []
+    if len(rngs) == env.world_size:
+        ckpt.restore_rng(rngs[env.rank])
+    elif env.is_main and rngs:
+        warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
+             "RNG streams are reseeded, the rest resumes exactly")
+    return int(state["step"])
+
+
+def _load_states(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool,
+                 folder: Path | None) -> None:
     fqn = state.get("optimizer_format") == "fqn"
     if state.get("optimizer_format") == "dcp":  # FSDP shards (checkpoint.sharded) in folder/ckpt-N.dcp
         from cyclone_kit.runtime import fsdp_ckpt
@@ -618,20 +693,6 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
     else:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if state.get("optimizer_format") == "pipeline-dcp":
-        from cyclone_kit.runtime import pipeline_ckpt
-
-        pipeline_ckpt.sync_lr(optimizer, scheduler)
-    if scaler is not None and "scaler" in state:
-        scaler.load_state_dict(state["scaler"])
-    rngs = state.get("rng") or []
-    if len(rngs) == env.world_size:
-        ckpt.restore_rng(rngs[env.rank])
-    elif env.is_main and rngs:
-        warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
-             "RNG streams are reseeded, the rest resumes exactly")
-    return int(state["step"])
 
 
 def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:

@@ -8,7 +8,6 @@ its GPU section. ``CK_BENCH_QUICK=1`` makes every benchmark a smoke-sized run (1
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -21,11 +20,11 @@ from tests.helpers.cli import REPO
 pytestmark = pytest.mark.slow
 
 QUICK_ENV = {**os.environ, "CK_BENCH_QUICK": "1", "PYTHONUNBUFFERED": "1"}
-#: Hang guards (not performance bounds), >= 5x what each took on a busy 2-core machine (load ~8-10,
-#: 2026-12-01): run_all.py quick 81 s, gpu_check.sh in CPU mode 35 s. pytest's own limit is 30 s
-#: longer, so the subprocess timeout fires first and the test reports the benchmark's output.
+#: Hang guard (not a performance bound), >= 5x what it took on a busy 2-core machine (load ~8-10,
+#: 2026-12-01): run_all.py quick 81 s. pytest's own limit is 30 s longer, so the subprocess timeout
+#: fires first and the test reports the benchmark's output. (gpu_check.sh's CPU dry run is tested in
+#: tests/integration/test_gpu_check.py, on a Python that has torch and nothing else.)
 RUN_ALL_HANG_S = 600
-GPU_CHECK_HANG_S = 300
 
 
 @pytest.mark.timeout(RUN_ALL_HANG_S + 30)
@@ -61,18 +60,3 @@ def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_sect
     assert "GPU FIGURES RECORDED BY HAND" in text
 
 
-@pytest.mark.timeout(GPU_CHECK_HANG_S + 30)
-def test_gpu_check_runs_its_stages_in_cpu_mode(tmp_path):
-    out_dir = tmp_path / "out"
-    env = {**QUICK_ENV, "CK_GPU_CHECK_CPU": "1", "OUT": str(out_dir)}
-    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=GPU_CHECK_HANG_S)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert re.search(r"eager:\s+runtime [\d.]+\s+bare [\d.]+\s+ratio runtime/bare \d+\.\d{3}", proc.stdout), proc.stdout
-    assert re.search(r"process group \+ DDP \(bare loop\): [\d.]+\s+vs bare eager ratio \d+\.\d{3}", proc.stdout)
-    figures = json.loads((out_dir / "gpu_check.json").read_text())
-    rates = figures["images_per_s"]
-    assert figures["cpu_mode"] is True
-    assert all(rates[k] and rates[k] > 0 for k in ("bare_eager", "runtime_eager", "bare_ddp_nccl_eager"))
-    assert (out_dir / "gpu_check.txt").read_text().count("images/s") >= 3
-    assert (out_dir / "metrics-runtime_eager.jsonl").is_file()

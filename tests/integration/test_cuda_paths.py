@@ -15,7 +15,7 @@ from tests.helpers.ranks import TIMEOUT_S, clean_env, free_port
 FSDP_CHILD = r"""
 import sys, datetime
 import torch, torch.distributed as dist
-from cyclone_kit.config import TrainConfig
+from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.train import place_model, wrap_model

@@ -1,0 +1,197 @@
+"""Pure choices of the CUDA paths (issue 24), checked with torch on the CPU: which optimizer is fused,
+what GradScaler.step then syncs, FSDP2's mixed-precision policy, which strategies keep contiguous weights."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cyclone_kit.config.job import TrainConfig
+from cyclone_kit.runtime.models import build_model
+from cyclone_kit.runtime.train import (
+    CONTIGUOUS_PARAMS,
+    fsdp_mixed_precision,
+    make_optimizer,
+    place_model,
+    use_fused_sgd,
+)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense``: what ``.item()`` dispatches to (a host sync on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("strategy", "kind", "fused"), [
+    ("ddp", "cuda", True), ("fsdp", "cuda", False), ("horovod", "cuda", False), ("ddp", "cpu", False),
+])
+def test_fused_sgd_only_where_it_is_valid(strategy: str, kind: str, fused: bool) -> None:
+    assert use_fused_sgd(strategy, kind) is fused
+
+
+def _scaled_step(fused: bool, inf: bool) -> tuple[int, bool, float]:
+    """One GradScaler step (the path torch takes on CUDA too); (host reads, weights changed, new scale)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = make_optimizer(model, 0.1, TrainConfig(), fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.randn(3, 8)).sum()).backward()
+    if inf:
+        model.weight.grad[0, 0] = float("inf")  # type: ignore[index]
+    before = model.weight.detach().clone()
+    with HostReads() as reads:
+        scaler.step(opt)
+        scaler.update()
+    return reads.count, not torch.equal(before, model.weight.detach()), scaler.get_scale()
+
+
+def test_fused_sgd_takes_the_grad_scaler_step_without_reading_found_inf_on_the_host() -> None:
+    """Item 2: plain SGD goes through GradScaler._maybe_opt_step's found_inf.item() (a host sync
+    per fp16 step on CUDA); fused SGD gets grad_scale/found_inf as tensors: no host read at all."""
+    assert _scaled_step(fused=False, inf=False)[0] >= 1
+    assert _scaled_step(fused=True, inf=False) == (0, True, 1024.0)
+    assert _scaled_step(fused=True, inf=True) == (0, False, 512.0)  # the overflow skipped on the device
+
+
+def test_fsdp_policy_follows_the_resolved_precision() -> None:
+    assert fsdp_mixed_precision("fp32") is None
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        policy = fsdp_mixed_precision(name)
+        assert (policy.param_dtype, policy.reduce_dtype) == (dtype, dtype)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "horovod"])
+def test_channels_last_converts_the_weights_only_where_the_collectives_take_them(strategy: str) -> None:
+    """Item 1: Horovod (and FSDP) need contiguous parameters; DDP gets channels_last weights."""
+    model = place_model(build_model("tiny_cnn", 10, 32, 3), torch.device("cpu"), strategy, True)
+    weight = model.features[0].weight
+    assert weight.is_contiguous() is (strategy in CONTIGUOUS_PARAMS)
+    assert weight.is_contiguous(memory_format=torch.channels_last) is (strategy not in CONTIGUOUS_PARAMS)
+
+
+@pytest.mark.parametrize(("environ", "listed", "gpus"), [
+    ({"CUDA_VISIBLE_DEVICES": "2,3"}, 8, ["2", "3"]),
+    ({"CUDA_VISIBLE_DEVICES": ""}, 8, []),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, 8, []),
+    ({}, 4, ["0", "1", "2", "3"]),
+    ({}, 0, []),
+])
+def test_visible_gpus_from_the_environment_or_the_driver(tmp_path, environ, listed, gpus) -> None:
+    from cyclone_kit.backends.local_env import visible_gpus
+
+    driver = tmp_path / "gpus"
+    driver.mkdir()
+    for i in range(listed):
+        (driver / f"0000:{i:02x}:00.0").mkdir()
+    assert visible_gpus(environ, driver) == gpus
+    assert visible_gpus({}, tmp_path / "no-driver") == []
+
+
+@pytest.mark.parametrize(("gpus", "nproc", "nodes", "slices"), [
+    ([], 4, 2, None),                                  # no GPU: the CPU, as before
+    (["0", "1", "2", "3"], 2, 1, ["0,1,2,3"]),         # one node sees them all: cuda:LOCAL_RANK
+    (["0", "1", "2", "3"], 4, 2, ["0,1", "2,3"]),      # two pretend nodes: disjoint halves
+    (["4", "5"], 2, 2, ["4", "5"]),
+])
+def test_pretend_nodes_get_disjoint_gpus(gpus, nproc, nodes, slices) -> None:
+    from cyclone_kit.backends.local_env import gpu_slices, rank_environments
+
+    assert gpu_slices(gpus, nproc, nodes) == slices
+    if slices:  # every rank then sees its node's slice, and no GPU is seen by two nodes
+        envs = rank_environments(nproc, nodes, job_id="1", master_port=1, threads=1, run_dir=".")
+        seen = [slices[int(e["SLURM_NODEID"])].split(",")[int(e["SLURM_LOCALID"])] for e in envs]
+        assert len(set(seen)) == nproc
+
+
+@pytest.mark.parametrize(("nproc", "nodes"), [(2, 2), (2, 1)])
+def test_more_ranks_than_gpus_is_refused_before_nccl_says_duplicate_gpu(nproc: int, nodes: int) -> None:
+    """Likely item: `run --nodes 2` on a one-GPU box gave both pretend nodes cuda:0."""
+    from cyclone_kit.backends.local_env import gpu_slices
+    from cyclone_kit.core.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="Duplicate GPU") as err:
+        gpu_slices(["0"], nproc, nodes)
+    assert "HINT: use --nproc 1 or fewer" in str(err.value) and "--cpu" in str(err.value)
+
+
+def _gpu_job(profile_changes: dict, script: bool, extra_sbatch: tuple[str, ...] = (), launcher: str = "srun"):
+    import dataclasses
+
+    from cyclone_kit.config.job import spec_from_dict
+    from cyclone_kit.config.profile import load_profile
+    from cyclone_kit.config.validate import resolve
+
+    data = {"name": "t", "resources": {"profile": "cyclone", "partition": "gpu", "nodes": 1, "account": "p1",
+                                       "launcher": launcher, "extra_sbatch": list(extra_sbatch)}}
+    if script:
+        data["script"] = {"path": "/x/train.py"}
+    profile = dataclasses.replace(load_profile("cyclone"), **profile_changes)
+    return resolve(spec_from_dict(data), profile)
+
+
+@pytest.mark.parametrize(("changes", "extra", "launcher"), [
+    ({"gpu_bind": "single:1"}, (), "srun"),
+    ({"gpu_bind": "closest"}, (), "srun"),
+    ({"gpu_bind": "verbose,per_task:1"}, (), "srun"),
+    ({}, ("--gpus-per-task=1",), "srun"),
+    ({}, ("--gpus-per-task=1",), "torchrun"),
+])
+def test_a_script_job_whose_tasks_each_see_one_gpu_is_refused(changes, extra, launcher) -> None:
+    """Likely item: under --gpus-per-task=1 a script taking cuda:LOCAL_RANK fails on local rank 1."""
+    from cyclone_kit.core.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="cuda:LOCAL_RANK") as err:
+        _gpu_job(changes, script=True, extra_sbatch=extra, launcher=launcher)
+    assert 'gpu_bind = "none"' in str(err.value)
+    _gpu_job(changes, script=False, extra_sbatch=extra, launcher=launcher)  # the built-in trainer copes
+
+
+def test_a_script_job_with_every_gpu_visible_is_accepted() -> None:
+    job = _gpu_job({}, script=True)  # the cyclone profile: gpu_bind = "none", 4 ranks per node
+    assert job.ntasks_per_node == 4
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "local_world", "warns"), [
+    ("1", 1, 4, True), ("0", 0, 4, True), ("0,1,2,3", 1, 4, False), ("", 1, 4, False), ("0", 0, 1, False),
+])
+def test_the_shim_names_a_one_gpu_per_task_layout(visible, local_rank, local_world, warns) -> None:
+    from cyclone_kit.runtime.launch import one_gpu_layout
+
+    text = one_gpu_layout({"CUDA_VISIBLE_DEVICES": visible}, local_rank, local_world)
+    assert (text is not None) is warns
+    if warns:
+        assert "invalid device ordinal" in text and "HINT:" in text and "\n" not in text
+
+
+def test_a_plain_sgd_checkpoint_resumed_into_fused_sgd_keeps_the_fused_kernel() -> None:
+    """A state dict carries fused=False from its writer; loaded as is, the next GradScaler step of the
+    fused optimizer would give grad_scale/found_inf to the plain kernel, which asserts they are None."""
+    from cyclone_kit.runtime.train import keep_kernel_choice
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    written = make_optimizer(model, 0.1, TrainConfig(), fused=False).state_dict()
+    for keep in (False, True):
+        opt = make_optimizer(model, 0.1, TrainConfig(), fused=True)
+        with keep_kernel_choice(opt) if keep else contextlib.nullcontext():
+            opt.load_state_dict(written)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(torch.randn(3, 8)).sum()).backward()
+        if keep:
+            scaler.step(opt)
+            assert opt.param_groups[0]["fused"] is True
+        else:
+            with pytest.raises(AssertionError, match="grad_scale and found_inf to be None"):
+                scaler.step(opt)
+        model.zero_grad(set_to_none=True)
