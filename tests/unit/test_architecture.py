@@ -243,3 +243,10 @@ def test_a_planted_private_crossing_and_file_name_are_found(planted: Path) -> No
     api.write_text(api.read_text() + "\n\ndef _late():\n    from cyclone_kit.runtime.env import _x\n    return 'metrics.jsonl'\n")
     assert any("_x" in v for v in private_crossings(planted))
     assert any("metrics.jsonl" in v for v in file_name_spellings(planted))
+
+
+def test_the_unit_tier_refuses_to_start_a_process() -> None:
+    import subprocess
+
+    with pytest.raises(AssertionError, match="tests/unit starts no process"):
+        subprocess.run(["true"], check=False)
