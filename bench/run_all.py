@@ -195,6 +195,10 @@ def parse(name: str, output: str) -> list[Figure]:
                                f"<= {100 * j['target']:.0f} % of the step", _v(j["met"])))
     elif name == "predict_accuracy":
         j = _json(output)
+        skipped = next((x for x in output.splitlines() if x.startswith("predict_accuracy:") and "skipped" in x), None)
+        if not j and skipped:  # quick mode, or no Slurm cluster here: said so, not a crash
+            figs.append(Figure(name, "predicted vs measured 2-rank efficiency, local Slurm cluster",
+                               skipped.split(":", 1)[1].strip(), "", "INFO"))
         if j:
             per = ", ".join(f"{r['mode']} {r['error_points']:+.1f}" for r in j["results"])
             figs.append(Figure(name, f"predicted vs measured 2-rank efficiency, local Slurm cluster (points: {per})",
