@@ -85,9 +85,18 @@ def run_ranks(run_dir: Path, world: int) -> list[tuple[int, str, str]]:
 
 
 def records(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    recs = [json.loads(line) for line in lines if line.strip()]
-    return [r for r in recs if kind is None or r["kind"] == kind]
+    """The records of ``run_dir``'s metrics file so far (of ``kind``): [] before the file exists, and a
+    line still being written is skipped, so a test can poll it while the run goes on."""
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the line being written
+        if kind is None or rec["kind"] == kind:
+            out.append(rec)
+    return out
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
