@@ -148,9 +148,9 @@ import cyclone_kit as ck
 from torch.overrides import TorchFunctionMode
 
 class DeviceBehind(TorchFunctionMode):
-    # Stands for a GPU 0.3 s behind the host: reading a loss (.item) waits for the device to finish.
+    # Stands for a GPU 0.3 s behind the host: reading a loss (.item or .tolist) waits for the device to finish.
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.item:
+        if func in (torch.Tensor.item, torch.Tensor.tolist):
             time.sleep(0.3)
         return func(*args, **(kwargs or {}))
 
