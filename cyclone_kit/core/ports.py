@@ -53,8 +53,15 @@ def candidate_ports(base: int, span: int, job_id: int) -> Iterator[int]:
 
 
 def can_bind(port: int) -> bool:
-    """True when a TCP listener could take ``port`` on every address of this host right now."""
+    """True when a TCP listener could take ``port`` on every address of this host right now.
+
+    With SO_REUSEADDR, as torch's TCPStore binds: a port held only by connections in TIME_WAIT (the
+    job's own previous segment, just requeued) is free, one with a live listener is not. Without it,
+    a requeued job found its own port "busy", moved to the next one, the neighbouring job id's, and
+    two jobs requeued at once on one node took the same port (EADDRINUSE at the rendezvous).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:
