@@ -281,9 +281,11 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
         return code
     view = segment_view(run_dir, segment, started)
     lost = vanished(view)
-    if view.failure is None and lost:
+    # A survivor's own record (its watchdog writes failure.json on a non-zero exit) only says that its
+    # peer's connection broke: the vanished ranks are the root cause, so their record replaces it.
+    if lost and (view.failure is None or view.failure.get("cause") == "rank_failed"):
         doc = lost_failure(lost, view, job, segment)
-        failures.write_failure(run_dir, doc, first_wins=True)
+        failures.write_failure(run_dir, doc, first_wins=view.failure is None)
         _say(doc["root_cause"])
         view = segment_view(run_dir, segment, started)
     cause = cause_of(view)
