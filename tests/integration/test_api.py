@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,8 @@ from cyclone_kit.backends.local_env import clean_environment
 from cyclone_kit.runtime import checkpoint as ckpt
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.phases import assert_phases_add_up
+from tests.helpers.ranks import records
+from tests.helpers.slurm_jobs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,28 +38,8 @@ DDP_CK = str(REPO / "examples" / "ddp_ck.py")
 TIMEOUT_S = 240
 
 
-def records(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # the line being written
-        if kind is None or rec["kind"] == kind:
-            out.append(rec)
-    return out
 
 
-def wait_for(predicate: Any, timeout: float, what: str, poll: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll)
 
 
 def plain_env(**extra: str) -> dict[str, str]:

@@ -22,9 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -33,7 +31,8 @@ from cyclone_kit.rundir.failures import root_cause
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.runtime import watchdog
 from tests.helpers.cli import REPO
-from tests.helpers.ranks import alive
+from tests.helpers.ranks import alive, records
+from tests.helpers.slurm_jobs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -53,28 +52,8 @@ STORM_STEPS = 40
 
 
 # --------------------------------------------------------------------------- helpers
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll)
 
 
-def records(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # the line being written
-        if kind is None or rec["kind"] == kind:
-            out.append(rec)
-    return out
 
 
 def last_step(run_dir: Path) -> int:
