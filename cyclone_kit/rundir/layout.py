@@ -53,6 +53,7 @@ JOB_ID_FILE = "job_id"
 BACKEND_FILE = "backend"
 LAUNCH_FILE = "launch.json"
 FAILURE_FILE = "failure.json"
+WORKER_LOGS_DIR = "workers"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 PROGRESS_DIR = "progress"  # the ranks' progress records (cyclone_kit/runtime/progress.py)
@@ -121,6 +122,12 @@ class RunDir:
     def logs(self) -> Path:
         """``logs/``: scheduler and per-rank logs."""
         return self.path / LOGS_DIR
+
+    @property
+    def worker_logs(self) -> Path:
+        """``logs/workers/``: torchrun's own file per worker (``<rdzv id>_*/attempt_<n>/<local rank>/stdout.log``
+        and ``stderr.log``), written beside the job log so that no two workers' lines share one file."""
+        return self.path / LOGS_DIR / WORKER_LOGS_DIR
 
     @property
     def ranks(self) -> Path:

@@ -368,6 +368,18 @@ def run_script(shim: ShimArgs) -> None:
         runpy.run_path(shim.script, run_name="__main__")
 
 
+def whole_lines(stream: Any) -> None:
+    """Make ``stream`` write each line it is given in one ``write`` (best effort; a stream that cannot is left).
+
+    Under ``PYTHONUNBUFFERED=1`` (the profiles set it, so logs are live) ``print`` writes its text and
+    its newline in two system calls; where ranks share one pipe (torchrun's workers of a node) another
+    rank's line can land between them, mid-line. Line buffering without write-through sends a line and
+    its newline together and still flushes at every newline.
+    """
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def _utc_now() -> str:
     from cyclone_kit.rundir.contract import utc_now
 
@@ -401,6 +413,8 @@ def _run(shim: ShimArgs) -> int:
     sys.modules.setdefault(__spec__.name if __spec__ else "cyclone_kit.runtime.launch", sys.modules[__name__])
 
     started = time.monotonic()
+    for stream in (sys.stdout, sys.stderr):
+        whole_lines(stream)
     run_dir = Path(shim.run_dir).absolute() if shim.run_dir else None
     if run_dir is not None:
         os.environ["CYCLONE_RUN_DIR"] = str(run_dir)

@@ -132,6 +132,7 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "python": python or prof.python or sys.executable,
         "run_dir": run_dir,
         "log_dir": str(RunDir(run_dir).logs),
+        "worker_log_dir": str(RunDir(run_dir).worker_logs),
         "port_base": PORT_BASE,
         "glibc_tunables": GLIBC_TUNABLES,
         "port_span": PORT_SPAN,

@@ -115,3 +115,13 @@ def cancel_quietly(backend: SlurmBackend, job_id: str) -> None:
     """Cancel a job left running by a failed test (a finished job is left alone)."""
     with contextlib.suppress(CycloneError):
         backend.cancel(job_id)
+
+
+def worker_outputs(run_dir: Path, job_id: str) -> list[str]:
+    """The stdout of every torchrun worker of the job's first segment, one text per worker: read from
+    torchrun's own file per worker (``logs/workers/<job id>_*/attempt_0/<local rank>/stdout.log``), never
+    from the job log, where the workers of one node share a pipe."""
+    from cyclone_kit.rundir.layout import RunDir
+
+    return [p.read_text(errors="replace")
+            for p in sorted(RunDir(run_dir).worker_logs.glob(f"{job_id}_*/attempt_0/*/stdout.log"))]

@@ -21,6 +21,7 @@ from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
+from tests.helpers.slurm_jobs import worker_outputs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -172,8 +173,11 @@ def test_torchrun_with_two_workers_per_cpu_node_trains_with_world_4(slurm_cluste
     job_id, run_dir = _submit(tmp_path, str(REPO / "examples" / "plain_ddp.py"), "--launcher", "torchrun",
                               "--nodes", "2", "--ntasks-per-node", "2", "--cpus-per-task", "2", "--", "--steps", "6")
     logs = _wait(job_id, run_dir)
-    ranks = sorted((int(r), int(w), h) for r, w, h in re.findall(r"^plain_ddp: rank (\d+) of (\d+) on (\S+)", logs, re.M))
-    print(f"torchrun 2 x 2 workers on cpu nodes: job {job_id}, ranks {ranks}")
+    outputs = worker_outputs(run_dir, job_id)   # one file per worker: the workers of a node share a pipe
+    ranks = sorted((int(r), int(w), h) for text in outputs
+                   for r, w, h in re.findall(r"^plain_ddp: rank (\d+) of (\d+) on (\S+)", text, re.M))
+    print(f"torchrun 2 x 2 workers on cpu nodes: job {job_id}, ranks {ranks} from {len(outputs)} worker files")
+    assert len(outputs) == 4, logs[-4000:]
     assert [(r, w) for r, w, _ in ranks] == [(0, 4), (1, 4), (2, 4), (3, 4)], logs[-4000:]
     assert {h for _, _, h in ranks} == {"c1", "c2"}
     text = (run_dir / "job.sbatch").read_text()

@@ -16,7 +16,7 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
-from tests.helpers.slurm_jobs import cancel_quietly, job_processes, parse_submit_output
+from tests.helpers.slurm_jobs import cancel_quietly, job_processes, parse_submit_output, worker_outputs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -84,8 +84,10 @@ def test_plain_ddp_under_the_torchrun_launcher(slurm_cluster: dict[str, str], tm
     job_id, run_dir, logs = _submit_and_wait(tmp_path, "plain_ddp.py", "--partition", "gpu", "--nodes", "2",
                                              "--gpus-per-node", "2", "--launcher", "torchrun",
                                              args=("--steps", "8"))
-    ranks = _ranks(logs, "plain_ddp")
-    print(f"plain_ddp under torchrun on Slurm: job {job_id}, ranks {ranks}")
+    outputs = worker_outputs(run_dir, job_id)   # one file per worker: the workers of a node share a pipe
+    ranks = sorted(rank for text in outputs for rank in _ranks(text, "plain_ddp"))
+    print(f"plain_ddp under torchrun on Slurm: job {job_id}, ranks {ranks} from {len(outputs)} worker files")
+    assert len(outputs) == 4, logs[-4000:]
     assert [(r, w) for r, w, _ in ranks] == [(0, 4), (1, 4), (2, 4), (3, 4)], logs[-4000:]
     assert {h for _, _, h in ranks} == {"g1", "g2"}
     assert "torch.distributed.run" in (run_dir / "job.sbatch").read_text()

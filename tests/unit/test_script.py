@@ -3,6 +3,7 @@ check, the CLI split at ``--``, the shim's argument parsing, torchrun variables 
 
 from __future__ import annotations
 
+import io
 import shlex
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from cyclone_kit.runtime.launch import (
     start_record,
     time_to_solution_records,
     torchrun_variables,
+    whole_lines,
 )
 from cyclone_kit.submit.render import render_script
 
@@ -264,3 +266,31 @@ def test_weak_sweep_of_a_script_needs_its_batch() -> None:
         sweep_from_dict(data)
     data["base"]["script"]["batch_size"] = 16
     assert [r.per_device_batch_size for r in expand(sweep_from_dict(data), load_profile("local"))] == [16, 16]
+
+
+class _Raw(io.RawIOBase):
+    """A raw stream that records each system-call-sized write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:  # type: ignore[override]
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_the_shim_sends_each_printed_line_with_its_newline_in_one_write() -> None:
+    # as under PYTHONUNBUFFERED=1: text and newline went out in two writes, where a peer's line could land
+    raw = _Raw()
+    stream = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+    print("rank 2 of 4", file=stream)
+    assert raw.writes == [b"rank 2 of 4", b"\n"]
+    raw.writes.clear()
+    whole_lines(stream)
+    print("rank 3 of 4", file=stream)
+    print("50%", end="", file=stream, flush=True)   # a progress line still leaves at its flush
+    assert raw.writes == [b"rank 3 of 4\n", b"50%"]
+    whole_lines(object())   # a replaced stream without reconfigure is left as it is
