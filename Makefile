@@ -48,11 +48,12 @@ unit: setup
 	$(PY) -m pytest -q tests/unit
 
 # As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,EXTRAS,DATA}=1 turn their skips into
-# failures (tests/conftest.py). The run ends with what was skipped and why.
+# failures (tests/conftest.py). scripts/run-tests.sh runs the Slurm tier beside the others (it mostly waits on
+# the scheduler) and prints each tier's log whole, ending with what was skipped and why.
 test: setup data slurm-up horovod
 	$(PY) -m ruff check .
 	REQ=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0); \
-	CK_REQUIRE_SLURM=$$REQ CK_REQUIRE_ACCOUNTING=$$REQ CK_REQUIRE_HOROVOD=$$REQ CK_REQUIRE_EXTRAS=$$REQ CK_REQUIRE_DATA=$$REQ $(PY) -m pytest -q -ra --durations=25
+	CK_REQUIRE_SLURM=$$REQ CK_REQUIRE_ACCOUNTING=$$REQ CK_REQUIRE_HOROVOD=$$REQ CK_REQUIRE_EXTRAS=$$REQ CK_REQUIRE_DATA=$$REQ bash scripts/run-tests.sh $(PY)
 
 bench: setup
 	$(PY) bench/run_all.py

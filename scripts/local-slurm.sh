@@ -152,7 +152,9 @@ CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=30,socket=$MUNGE_SOCK
+# cred_expire: a requeued job may not start again for this long (Slurm default 120 s, minimum 5); 10 s leaves
+# room for a step credential on a busy host while keeping each requeue of the Slurm tier short.
+AuthInfo=cred_expire=10,socket=$MUNGE_SOCK
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/pgid

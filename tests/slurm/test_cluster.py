@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slurm
 Submit = Callable[..., tuple[str, Path]]
 ROOT = Path(__file__).resolve().parents[2]
 #: Hang guard for every wait in this file (not a performance bound): the events take 1-2 s here
-#: (a requeued job ~40 s, of which 30 s is Slurm's fixed cred_expire); >= 5x a slow machine's time.
+#: (a requeued job ~20 s, of which 10 s is the local cluster's cred_expire); >= 5x a slow machine's time.
 HANG_S = 300
 #: Seconds a job sleeps when the test ends it (cancel, requeue): far beyond any wait here.
 LONG_SLEEP_S = 3600
@@ -229,7 +229,7 @@ def test_backend_requeue_of_running_job(backend: SlurmBackend, submit: Submit) -
 
 @pytest.mark.slow
 def test_requeued_job_runs_again_with_restart_count(backend: SlurmBackend, submit: Submit) -> None:
-    """Slow (~40 s): a requeued job waits cred_expire (30 s) before it may start again."""
+    """Slow (~20 s): a requeued job waits cred_expire (10 s on the local cluster) before it may start again."""
     body = 'env > "env-${SLURM_RESTART_COUNT:-0}.txt"\n[ -n "${SLURM_RESTART_COUNT:-}" ] || sleep ' + str(LONG_SLEEP_S)
     job_id, run_dir = submit(body, name="rerun")
     backend.wait(job_id, until=running, timeout=HANG_S)

@@ -13,7 +13,7 @@ machine trains (issue 12):
   itself signals it 60-120 s after the start, and a step count no machine can finish in that time.
   It checkpoints, ends "preempted" and is not requeued.
 
-Both take about 2.5 minutes together (Slurm holds a requeued job ~30 s: cred_expire).
+Both take about 2.5 minutes together (Slurm holds a requeued job cred_expire seconds: 10 on the local cluster).
 """
 
 from __future__ import annotations

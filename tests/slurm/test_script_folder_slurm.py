@@ -25,7 +25,7 @@ from tests.helpers.slurm_jobs import worker_outputs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-#: Hang guard for one job (not a performance bound): a requeued job waits ~35-45 s (cred_expire) before
+#: Hang guard for one job (not a performance bound): a requeued job waits cred_expire (10 s here) and more before
 #: its second segment; torch/accelerate imports of 4 ranks on 2 busy cores take ~60 s.
 WAIT_S = 420
 
