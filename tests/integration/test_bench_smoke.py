@@ -3,7 +3,8 @@
 Timing targets are NOT asserted here (the tests are not timed runs and the machine is shared):
 only that every benchmark runs end to end through the real launcher, runtime and torchrun, and
 that ``run_all.py`` reports every figure with a verdict and rewrites the results file, keeping
-its GPU section. ``CK_BENCH_QUICK=1`` makes every benchmark a smoke-sized run (1 pair, 4 steps).
+its GPU section (bench/script_shim.py's own lines included: it runs once, here).
+``CK_BENCH_QUICK=1`` makes every benchmark a smoke-sized run (1 pair, 4 steps).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_sect
     assert re.search(r"ratio runtime/plain: \d\.\d{3}", out)
     assert re.search(r"efficiency 2 ranks vs 1 \(torchrun\):\s+\d\.\d{3}", out)
     assert re.search(r"start -> first step, 2 ranks: cyclone_kit [\d.]+ s, torchrun \+ plain script [\d.]+ s", out)
+    # script_shim: examples/plain_ddp.py through `cyclone-kit run --nproc 2` and under torchrun, one pair
+    assert re.search(r"pair 1: cyclone-kit run\s+[\d.]+ samples/s, start->first step\s+[\d.]+ s \| torchrun", out)
+    assert re.search(r"throughput ratio cyclone-kit run / torchrun: \d+\.\d{3}", out)
+    assert re.search(r"target: >= 0.99\s+(MET|MISSED)", out) and re.search(r"torchrun's \+ 0.3 s\s+(MET|MISSED)", out)
     # the results file: rewritten with date, machine and table; the GPU section kept as it was
     text = results.read_text()
     assert "old table" not in text and "QUICK MODE" in text

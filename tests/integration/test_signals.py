@@ -43,9 +43,9 @@ TIMEOUT_S = 240
 #: pytest-timeout for the training tests: a run, a stop and a resume, each under its own hang guard.
 SLOW_TEST_TIMEOUT_S = 900
 #: Steps of the tiny-CNN runs that are signalled once step 5 is logged. A stop is acted on within
-#: about 2 x checkpoint.poll_s (1 s): even at 5x our speed (~4 ms a step) 1000 steps last ~4 s, so
-#: the signal always lands mid-run.
-SIGNALLED_STEPS = 1000
+#: about 2 x checkpoint.poll_s (1 s): even at 5x our speed (~4-7 ms a step; ~33 ms here) 500 steps last
+#: >= 2 s, so the signal always lands mid-run, and the resume (the remaining steps) stays short.
+SIGNALLED_STEPS = 500
 #: Steps of the ResNet-18 storm run (signalled from step 3): ~0.5 s a step here, so even at 5x our
 #: speed the ~37 steps left outlast the stop agreement and the checkpoint write.
 STORM_STEPS = 40
