@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The full test suite, as `make test` runs it: the Slurm tier beside the unit and integration tiers.
+# The full test suite, as `make test` runs it: three tiers in two streams at once.
 #
-# The Slurm tier spends most of its time waiting on the scheduler (a requeued job may not start again
-# for cred_expire seconds; batch jobs start on the scheduler's next pass), so it runs in its own pytest
-# process while the CPU-bound tiers run in another. Each process writes its own log, printed whole
-# when both have ended (never two processes' lines mixed); the suite fails if either failed.
+#   stream 1: the Slurm tier, then the unit tier;  stream 2: the integration tier.
+#
+# The Slurm tier spends much of its time waiting on the scheduler (a requeued job may not start again
+# for cred_expire seconds; batch jobs start on the scheduler's next pass) while the integration tier
+# keeps both cores busy, so the two run beside each other; the short unit tier follows the Slurm tier
+# so that both streams end at about the same time. Each pytest run writes its own log, printed whole
+# when all have ended (never two runs' lines mixed); the suite fails if any run failed.
 #
 # usage: scripts/run-tests.sh PYTHON [PYTEST ARGS...]
 set -uo pipefail
@@ -13,18 +16,22 @@ py=${1:?usage: scripts/run-tests.sh PYTHON [PYTEST ARGS...]}
 shift
 logs=$(mktemp -d "${TMPDIR:-/tmp}/cyclone-tests.XXXXXX")
 common=(-q -ra -p no:cacheprovider --durations=15 "$@")
-rest_rc=interrupted slurm_rc=interrupted rest_pid="" slurm_pid=""
+TIERS=(slurm unit integration)
+pids=()
 
 show() {
-    echo "=============================== unit and integration tiers (exit $rest_rc) ==============================="
-    cat "$logs/rest.log" 2>/dev/null
-    echo "=============================== Slurm tier (exit $slurm_rc) ==============================="
-    cat "$logs/slurm.log" 2>/dev/null
+    for tier in "${TIERS[@]}"; do
+        echo "=============================== $tier tier (exit $(cat "$logs/$tier.rc" 2>/dev/null || echo 'not ended')) ==============================="
+        cat "$logs/$tier.log" 2>/dev/null
+    done
 }
-# Stopped from outside (a CI time limit, Ctrl-C): end both runs and still show what each had printed.
+# Stopped from outside (a CI time limit, Ctrl-C): end every run and still show what each had printed.
 stopped() {
     trap - INT TERM
-    kill -TERM $rest_pid $slurm_pid 2>/dev/null   # (a background job ignores SIGINT)
+    for pid in "${pids[@]}"; do   # each stream's pytest run, then the stream itself
+        pkill -TERM -P "$pid" 2>/dev/null
+        kill -TERM "$pid" 2>/dev/null
+    done
     wait
     show
     rm -rf "$logs"
@@ -33,17 +40,27 @@ stopped() {
 trap stopped INT TERM
 trap 'rm -rf "$logs"' EXIT
 
+tier() {  # tier NAME PATH...: one pytest run, its output in NAME.log and its exit status in NAME.rc
+    local name=$1
+    shift
+    "$py" -m pytest "${common[@]}" "$@" >"$logs/$name.log" 2>&1
+    echo $? >"$logs/$name.rc"
+}
+
 started=$(date +%s)
-"$py" -m pytest "${common[@]}" tests/slurm >"$logs/slurm.log" 2>&1 &
-slurm_pid=$!
-"$py" -m pytest "${common[@]}" tests --ignore=tests/slurm >"$logs/rest.log" 2>&1 &
-rest_pid=$!
-wait "$rest_pid"
-rest_rc=$?
-wait "$slurm_pid"
-slurm_rc=$?
+( tier slurm tests/slurm; tier unit tests/unit ) &
+pids+=($!)
+( tier integration tests/integration ) &
+pids+=($!)
+wait
 
 show
-echo "test suite: $(( $(date +%s) - started )) s; unit+integration exit $rest_rc, Slurm exit $slurm_rc"
+codes=() worst=0
+for t in "${TIERS[@]}"; do
+    rc=$(cat "$logs/$t.rc" 2>/dev/null || echo 3)
+    codes+=("$t $rc")
+    [ "$rc" -gt "$worst" ] && worst=$rc
+done
+echo "test suite: $(( $(date +%s) - started )) s; exit codes: $(printf '%s; ' "${codes[@]}")"
 # pytest's codes: 0 passed, 1 failed, 2 interrupted, 3 internal error, 4 usage, 5 nothing collected
-[ "$rest_rc" = 0 ] && [ "$slurm_rc" = 0 ] || exit $(( rest_rc > slurm_rc ? rest_rc : slurm_rc ))
+exit "$worst"
