@@ -127,7 +127,7 @@ def test_a_script_works_in_its_submit_folder_through_a_requeue_and_a_second_subm
 
 
 ACCELERATE = textwrap.dedent("""
-    import json, os, socket
+    import json, os, socket, time
     from pathlib import Path
     from accelerate import Accelerator   # bare: no cpu=True, as published examples write it
 
@@ -136,6 +136,11 @@ ACCELERATE = textwrap.dedent("""
         {"index": acc.process_index, "processes": acc.num_processes, "type": str(acc.distributed_type),
          "host": socket.gethostname()}))
     acc.wait_for_everyone()   # as a training loop's collectives would (a no-op for independent copies)
+    # Independent copies still built one gloo group of the 4 ranks (torchrun's variables): a copy that ends
+    # while a slower one is still connecting resets it ("Connection reset by peer", seen in CI). Stay until
+    # every rank has got past Accelerator(), as a real training run of any length would.
+    while not all(Path(f"./acc-rank{r}.json").exists() for r in range(int(os.environ["WORLD_SIZE"]))):
+        time.sleep(0.1)
 """)
 
 
