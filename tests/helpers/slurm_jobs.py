@@ -117,6 +117,11 @@ def cancel_quietly(backend: SlurmBackend, job_id: str) -> None:
         backend.cancel(job_id)
 
 
+def rank_lines(text: str, prefix: str) -> list[tuple[int, int, str]]:
+    """(rank, world size, host) of every ``PREFIX: rank R of W on HOST`` line of ``text``, sorted."""
+    return sorted((int(r), int(w), h) for r, w, h in re.findall(rf"^{prefix}: rank (\d+) of (\d+) on (\S+)", text, re.M))
+
+
 def worker_outputs(run_dir: Path, job_id: str) -> list[str]:
     """The stdout of every torchrun worker of the job's first segment, one text per worker: read from
     torchrun's own file per worker (``logs/workers/<job id>_*/attempt_0/<local rank>/stdout.log``), never

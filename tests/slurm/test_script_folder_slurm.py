@@ -21,7 +21,7 @@ from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
-from tests.helpers.slurm_jobs import worker_outputs
+from tests.helpers.slurm_jobs import rank_lines, worker_outputs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -179,8 +179,7 @@ def test_torchrun_with_two_workers_per_cpu_node_trains_with_world_4(slurm_cluste
                               "--nodes", "2", "--ntasks-per-node", "2", "--cpus-per-task", "2", "--", "--steps", "6")
     logs = _wait(job_id, run_dir)
     outputs = worker_outputs(run_dir, job_id)   # one file per worker: the workers of a node share a pipe
-    ranks = sorted((int(r), int(w), h) for text in outputs
-                   for r, w, h in re.findall(r"^plain_ddp: rank (\d+) of (\d+) on (\S+)", text, re.M))
+    ranks = sorted(rank for text in outputs for rank in rank_lines(text, "plain_ddp"))
     print(f"torchrun 2 x 2 workers on cpu nodes: job {job_id}, ranks {ranks} from {len(outputs)} worker files")
     assert len(outputs) == 4, logs[-4000:]
     assert [(r, w) for r, w, _ in ranks] == [(0, 4), (1, 4), (2, 4), (3, 4)], logs[-4000:]

@@ -16,7 +16,7 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
-from tests.helpers.slurm_jobs import cancel_quietly, job_processes, parse_submit_output, worker_outputs
+from tests.helpers.slurm_jobs import cancel_quietly, job_processes, parse_submit_output, rank_lines, worker_outputs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -42,11 +42,6 @@ def _submit_and_wait(tmp_path: Path, script: str, *options: str, args: tuple[str
     return job_id, run_dir, logs
 
 
-def _ranks(logs: str, prefix: str) -> list[tuple[int, int, str]]:
-    """(rank, world size, host) of every ``PREFIX: rank R of W on HOST`` line."""
-    return sorted((int(r), int(w), h) for r, w, h in re.findall(rf"^{prefix}: rank (\d+) of (\d+) on (\S+)", logs, re.M))
-
-
 def _shim(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "shim.jsonl").read_text().splitlines() if line.strip()]
 
@@ -68,7 +63,7 @@ def test_example_trains_with_world_size_4_on_two_nodes(example: str, needs: str 
             pytest.skip(f"{needs} not importable ({type(exc).__name__}: {exc})")
     job_id, run_dir, logs = _submit_and_wait(tmp_path, example, "--nodes", "2", "--ntasks-per-node", "2", *options,
                                              args=args)
-    ranks = _ranks(logs, example[:-3])
+    ranks = rank_lines(logs, example[:-3])
     print(f"{example} on Slurm: job {job_id}, ranks {ranks}")
     assert ranks == [(0, 4, "c1"), (1, 4, "c1"), (2, 4, "c2"), (3, 4, "c2")], logs[-4000:]
     start, end = _shim(run_dir)
@@ -85,7 +80,7 @@ def test_plain_ddp_under_the_torchrun_launcher(slurm_cluster: dict[str, str], tm
                                              "--gpus-per-node", "2", "--launcher", "torchrun",
                                              args=("--steps", "8"))
     outputs = worker_outputs(run_dir, job_id)   # one file per worker: the workers of a node share a pipe
-    ranks = sorted(rank for text in outputs for rank in _ranks(text, "plain_ddp"))
+    ranks = sorted(rank for text in outputs for rank in rank_lines(text, "plain_ddp"))
     print(f"plain_ddp under torchrun on Slurm: job {job_id}, ranks {ranks} from {len(outputs)} worker files")
     assert len(outputs) == 4, logs[-4000:]
     assert [(r, w) for r, w, _ in ranks] == [(0, 4), (1, 4), (2, 4), (3, 4)], logs[-4000:]
