@@ -64,8 +64,9 @@ json.dump(result, open(f"{out}-{hvd.rank()}.json", "w"))
 @pytest.mark.slow
 def test_horovod_trains_with_channels_last_inputs_where_channels_last_weights_failed(tmp_path: Path) -> None:
     """Item 1: with channels_last on (the CUDA default), the old placement made Horovod's first
-    broadcast raise "Tensor is required to be contiguous."; now the weights stay contiguous, the
-    convolutions still run channels_last, and 3 DistributedOptimizer steps leave both ranks equal."""
+    broadcast raise "Tensor is required to be contiguous." (on one rank at least: the other may see
+    Horovod shut down by it); now the weights stay contiguous, the convolutions still run
+    channels_last, and 3 DistributedOptimizer steps leave both ranks equal."""
     try:
         import horovod.torch  # noqa: F401
     except Exception as exc:
@@ -81,7 +82,10 @@ def test_horovod_trains_with_channels_last_inputs_where_channels_last_weights_fa
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         results[mode] = [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(2)]
-    assert all("Tensor is required to be contiguous" in r.get("error", "") for r in results["old"]), results["old"]
+    # Horovod's first rank to raise shuts Horovod down: the other may see that shutdown, not the cause.
+    errors = [r.get("error", "") for r in results["old"]]
+    assert any("Tensor is required to be contiguous" in e for e in errors), errors
+    assert all("Tensor is required to be contiguous" in e or e.startswith("HorovodInternalError") for e in errors), errors
     for r in results["new"]:
         assert r["same"] and r["out_channels_last"] and r["loss"] == r["loss"], r  # equal ranks, NHWC, not NaN
 
