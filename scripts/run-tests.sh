@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 py=${1:?usage: scripts/run-tests.sh PYTHON [PYTEST ARGS...]}
 shift
 logs=$(mktemp -d "${TMPDIR:-/tmp}/cyclone-tests.XXXXXX")
-common=(-q -ra -p no:cacheprovider --durations=15 "$@")
+common=(-q -ra -p no:cacheprovider --durations=40 "$@")
 ALONE=(tests/integration/test_diagnosis.py)
 TIERS=(slurm unit integration alone)
 pids=()
@@ -45,10 +45,12 @@ trap stopped INT TERM
 trap 'rm -rf "$logs"' EXIT
 
 tier() {  # tier NAME PATH...: one pytest run, its output in NAME.log and its exit status in NAME.rc
-    local name=$1
+    local name=$1 t0
     shift
+    t0=$(date +%s)
     "$py" -m pytest "${common[@]}" "$@" >"$logs/$name.log" 2>&1
     echo $? >"$logs/$name.rc"
+    echo "$(( $(date +%s) - started )) s from the start (this tier $(( $(date +%s) - t0 )) s)" >"$logs/$name.end"
 }
 
 started=$(date +%s)
@@ -65,7 +67,7 @@ show
 codes=() worst=0
 for t in "${TIERS[@]}"; do
     rc=$(cat "$logs/$t.rc" 2>/dev/null || echo 3)
-    codes+=("$t $rc")
+    codes+=("$t $rc, ended $(cat "$logs/$t.end" 2>/dev/null || echo never)")
     [ "$rc" -gt "$worst" ] && worst=$rc
 done
 echo "test suite: $(( $(date +%s) - started )) s; exit codes: $(printf '%s; ' "${codes[@]}")"
