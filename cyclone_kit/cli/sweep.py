@@ -21,7 +21,7 @@ BACKENDS = ("slurm", "submitit", "local")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``sweep``."""
-    from cyclone_kit.config.jobspec import add_data_check_argument
+    from cyclone_kit.config.jobspec import add_data_check_argument, add_script_arguments
 
     p = sub.add_parser(
         "sweep",
@@ -47,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="slurm/submitit: run the points one after another (as serial = true in the spec)")
     p.add_argument("--wait", action="store_true", help="slurm/submitit: wait until every job (and the report) ended")
     p.add_argument("--quiet", action="store_true", help="local: do not echo rank 0's output")
+    add_script_arguments(p)
     add_data_check_argument(p)
     p.set_defaults(func=run)
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan, create, run or submit (:mod:`cyclone_kit.submit.study`), print; returns 0, or 1 when a point failed."""
     import dataclasses
 
-    from cyclone_kit.config.jobspec import check_data_dir
+    from cyclone_kit.config.jobspec import check_data_dir, script_flag_values
     from cyclone_kit.config.profile import load_profile
     from cyclone_kit.config.sweep import load_sweep
     from cyclone_kit.core.errors import ValidationError
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_report or args.serial:
         sweep = dataclasses.replace(sweep, report=sweep.report and not args.no_report,
                                     serial=sweep.serial or args.serial)
+    script_flags = script_flag_values(args, sweep.base.script is not None)
+    if script_flags:  # --chdir / --live-code: every point's script
+        script = dataclasses.replace(sweep.base.script, **script_flags)
+        sweep = dataclasses.replace(sweep, base=dataclasses.replace(sweep.base, script=script))
     if not args.no_data_check:
         check_data_dir(sweep.base)
     if sweep.base.script is not None:  # the script exists and compiles; its hash goes into every point

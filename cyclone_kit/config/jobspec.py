@@ -162,21 +162,31 @@ def _script_paths_from(table: dict[str, Any], base_dir: Path) -> dict[str, Any]:
 
 def _script_flags(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """``--chdir`` (absolute from this folder) and ``--live-code`` written into the ``[script]`` table."""
+    table = script_flag_values(args, isinstance(data.get("script"), dict))
+    return {**data, "script": {**data["script"], **table}} if table else data
+
+
+def script_flag_values(args: argparse.Namespace, has_script: bool) -> dict[str, Any]:
+    """The ``[script]`` keys ``--chdir`` (made absolute from this folder) and ``--live-code`` set; {} for neither.
+
+    Raises:
+        ValidationError: a flag given for a job without a script, or an empty ``--chdir``.
+    """
     chdir, live = getattr(args, "chdir", None), getattr(args, "live_code", False)
     if chdir is None and not live:
-        return data
-    if not isinstance(data.get("script"), dict):
+        return {}
+    if not has_script:
         flag = "--chdir" if chdir is not None else "--live-code"
         raise ValidationError(f"{flag} is for a script job, and this job runs the built-in trainer",
                               hint="give SCRIPT.py (or -m MODULE, or a spec with a [script] table), or drop " + flag)
-    table = dict(data["script"])
+    table: dict[str, Any] = {}
     if chdir is not None:
         if not chdir or "\n" in chdir:
             raise ValidationError(f"--chdir {chdir!r} is not a folder", hint="e.g. --chdir $HOME/project")
         table["chdir"] = str(Path(chdir).expanduser().absolute())
     if live:
         table["live"] = True
-    return {**data, "script": table}
+    return table
 
 
 def checked_spec(spec: JobSpec) -> tuple[JobSpec, Any]:

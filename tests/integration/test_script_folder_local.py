@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import run_cli
+from tests.helpers.cli import REPO, run_cli
 
 #: A script in the published pattern: relative ./data and ./ckpt.pt, a sibling package, no cyclone_kit.
 SCRIPT = textwrap.dedent("""
@@ -126,3 +126,56 @@ def test_a_process_group_of_the_launched_world_is_not_flagged_even_when_destroye
     end = [json.loads(x) for x in (run_dir / "shim.jsonl").read_text().splitlines()][-1]
     assert (end["status"], end["process_group_world"], end.get("warning")) == ("completed", 2, None)
     assert "independent copies" not in stdout
+
+
+#: A local strong-scaling sweep of the project's train.py (worlds 1 and 2), its report off.
+SWEEP = """
+[sweep]
+name = "folder-sweep"
+mode = "strong"
+global_batch_size = 8
+world_sizes = [1, 2]
+serial = true
+report = false
+
+[base]
+name = "folder-sweep"
+
+[base.script]
+path = "proj/train.py"
+
+[base.resources]
+profile = "local"
+partition = "cpu"
+cpus_per_task = 1
+time = "00:10:00"
+
+[base.checkpoint]
+requeue = false
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_sweep_takes_chdir_and_live_code_for_every_point(tmp_path: Path) -> None:
+    proj = _project(tmp_path / "proj")
+    elsewhere = _project(tmp_path / "elsewhere")
+    (elsewhere / "train.py").unlink()
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    (proj / "helpers" / "__init__.py").write_text("VERSION = 3\n")
+    proc = run_cli("sweep", "sweep.toml", "--backend", "local", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   "--chdir", "elsewhere", "--live-code", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    specs = [json.loads(p.read_text())["script"] for p in sorted((tmp_path / "runs").glob("*/*/spec.json"))]
+    assert len(specs) == 2 and {(s["chdir"], s["live"]) for s in specs} == {(str(elsewhere), True)}, specs
+    outs = _outs(elsewhere)  # the 2-rank point wrote last: it ran in elsewhere/, the live file of proj/
+    assert [(o["cwd"], o["file"], o["version"]) for o in outs] == [(str(elsewhere), str(proj / "train.py"), 3)] * 2
+    assert (elsewhere / "ckpt.pt").read_text() == "10" and not (proj / "ckpt.pt").exists()  # both points, in turn
+
+
+def test_sweep_chdir_of_a_built_in_trainer_study_is_refused_with_one_line(tmp_path: Path) -> None:
+    proc = run_cli("sweep", str(REPO / "jobs" / "strong_scaling.toml"), "--dry-run", "--chdir", str(tmp_path),
+                   cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == ["error: --chdir is for a script job, and this job runs the built-in trainer "
+                                        "HINT: give SCRIPT.py (or -m MODULE, or a spec with a [script] table), "
+                                        "or drop --chdir"], proc.stderr
