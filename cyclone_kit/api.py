@@ -527,6 +527,9 @@ def _stderr() -> Any:
 
 
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    from cyclone_kit.runtime.progress import park_if_stalling
+
+    park_if_stalling()  # this rank's watchdog is ending it: the rank that waited is not blamed
     run = _run
     if run is not None:
         from cyclone_kit.core.errors import ResumeRefused

@@ -58,6 +58,9 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         teardown()
         return 0
     except BaseException as exc:
+        from cyclone_kit.runtime.progress import park_if_stalling
+
+        park_if_stalling()  # this rank's watchdog is ending it: the rank that waited is not blamed
         try:
             from cyclone_kit.rundir.failures import write_error_record
 

@@ -15,9 +15,11 @@ front of the script). On this rank it:
    ``HOROVOD_CONTROLLER=gloo``), so a script's ``hvd.init()`` finds its peers;
 3. on rank 0, appends a ``start`` record to ``RUN_DIR/shim.jsonl`` (script, its hash, world size,
    hosts, launcher) and, when the script ends, an ``end`` record (exit status, wall time);
-4. keeps the job's time-limit warning signal (``checkpoint.signal``, USR2) from killing a script
+4. runs a progress watchdog fed by the script's optimizer steps (:mod:`cyclone_kit.runtime.scriptwatch`),
+   so a rank that hangs ends the job within the stall bound instead of its wall time;
+5. keeps the job's time-limit warning signal (``checkpoint.signal``, USR2) from killing a script
    that does not handle it (:func:`note_requeue_signal`);
-5. runs the script **in this process** (:func:`runpy.run_path` / :func:`runpy.run_module`, as
+6. runs the script **in this process** (:func:`runpy.run_path` / :func:`runpy.run_module`, as
    ``python SCRIPT`` / ``python -m MODULE`` would, with ``sys.argv = [SCRIPT, *ARGS]``).
 
 Why in-process rather than a child process or ``exec``: the script *is* the rank process, so
@@ -443,9 +445,24 @@ def _run(shim: ShimArgs) -> int:
     from cyclone_kit.runtime import pgcheck
 
     pgcheck.watch()
+    if spec is not None and run_dir is not None:  # a stalled step ends the job (see scriptwatch)
+        from cyclone_kit.runtime import scriptwatch
+        from cyclone_kit.runtime.progress import STALL_EXIT_CODE
+
+        def stalled(cause: str) -> None:
+            end = end_record("failed", STALL_EXIT_CODE, time.monotonic() - started, _utc_now(), f"stalled: {cause}")
+            _append(RunDir(run_dir).shim, [end])
+
+        scriptwatch.arm(run_dir, env, spec.checkpoint, os.environ, stalled)
     code, error = 0, None
     try:
-        run_script(shim)
+        try:
+            run_script(shim)
+        except BaseException:
+            from cyclone_kit.runtime.progress import park_if_stalling
+
+            park_if_stalling()  # this rank's watchdog is ending it: the rank that waited is not blamed
+            raise
     except SystemExit as e:
         code = exit_status(e.code)
         if code:
@@ -462,6 +479,8 @@ def _run(shim: ShimArgs) -> int:
             sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n")
         sys.excepthook(type(e), e, e.__traceback__)  # as for any uncaught exception (ck's hook records it too)
         _record_error(run_dir, rank, host, e)
+    if "cyclone_kit.runtime.scriptwatch" in sys.modules:
+        sys.modules["cyclone_kit.runtime.scriptwatch"].stop()
     wall = time.monotonic() - started
     formed, used = pgcheck.formed_world(), pgcheck.collectives()
     warning = pgcheck.verdict(env.world_size, formed, used) if code == 0 else ""

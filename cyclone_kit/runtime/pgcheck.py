@@ -7,8 +7,9 @@ A script that never calls ``init_process_group`` does this; so does a bare
 (:func:`cpu_accelerate_default`): it even forms the group of N (``init_process_group(backend=None)``)
 and then trains as ``DistributedType.NO``, never communicating over it.
 
-Before the script runs, the shim calls :func:`watch`: an import hook that, once anybody imports
-``torch.distributed`` (or ``horovod.torch``), wraps its ``init_process_group`` (``init``) so the
+Before the script runs, the shim calls :func:`watch`: an import hook
+(:mod:`cyclone_kit.runtime.importhook`) that, once anybody imports ``torch.distributed`` (or
+``horovod.torch``), wraps its ``init_process_group`` (``init``) so the
 world size of every group the script forms is noted, and its ``destroy_process_group`` so the
 collectives run on the groups (their sequence numbers, which every collective advances) are noted
 before they are forgotten. Nothing is imported that the script does not import itself. At the
@@ -136,44 +137,12 @@ def _patch_horovod(module: Any) -> None:
 _PATCHES: Mapping[str, Callable[[Any], None]] = {"torch.distributed": _patch_torch, "horovod.torch": _patch_horovod}
 
 
-class _Finder:
-    """A meta-path finder that lets the real finders load a watched module, then patches it."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        patch = _PATCHES.get(fullname)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        original = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            with contextlib.suppress(Exception):  # never break the script's import
-                patch(module)
-
-        with contextlib.suppress(AttributeError, TypeError):
-            loader.exec_module = exec_module
-        return spec
-
-
 def watch() -> None:
     """Note every process group formed from now on (modules loaded already are patched at once)."""
+    from cyclone_kit.runtime.importhook import after_import
+
     for name, patch in _PATCHES.items():
-        if name in sys.modules:
-            with contextlib.suppress(Exception):
-                patch(sys.modules[name])
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+        after_import(name, patch)
 
 
 def formed_world() -> int | None:

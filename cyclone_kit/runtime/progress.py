@@ -56,6 +56,10 @@ STALL_EXIT_CODE = 124
 MIN_STEPS = 3
 #: Step intervals kept for the median.
 WINDOW = 101
+#: Seconds a main thread that failed while its watchdog ends the rank waits for that exit (a bound).
+PARK_S = 120.0
+#: Set once a watchdog of this process decided that its rank stalled (it will leave with STALL_EXIT_CODE).
+_STALLING = threading.Event()
 #: Innermost frames (path fragments) of a main thread that is waiting for its peers: a collective,
 #: DDP's gradient reduction inside backward, Horovod, cyclone_kit's own stop agreement and barriers.
 WAIT_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/torch/_tensor.py",
@@ -108,6 +112,18 @@ def waiting_for_peers(frames: Sequence[str]) -> bool:
     return bool(frames) and any(part in frames[-1].replace("\\", "/") for part in WAIT_PATHS)
 
 
+def busy_not_stalled(busy_share: float, idle_s: float, cpu_s: float, frames: Sequence[str]) -> bool:
+    """Whether a rank with no step for ``idle_s`` (past its bound) is working rather than stalled (pure).
+
+    Working: its main thread (``frames``) is not inside a collective, and the process used at
+    least ``busy_share`` of a core over that time (``cpu_s`` CPU seconds). A hung rank sleeps,
+    waits on a lock or a dead file system, or waits for a peer; a validation pass computes.
+    """
+    if waiting_for_peers(frames) or idle_s <= 0:
+        return False
+    return cpu_s / idle_s >= busy_share
+
+
 def choose_stuck(records: Mapping[int, Mapping[str, Any] | None], world_size: int) -> list[int]:
     """The ranks that stopped making progress, from every rank's progress record (pure).
 
@@ -129,6 +145,15 @@ def choose_stuck(records: Mapping[int, Mapping[str, Any] | None], world_size: in
         return []
     least = min(keys.values())
     return [rank for rank, key in keys.items() if key == least]
+
+
+def stall_requeue(requeue: bool, max_requeues: int, restart_count: int) -> tuple[bool, str]:
+    """Whether a stalled job is requeued, and why (pure): ``checkpoint.requeue`` and requeues left."""
+    if not requeue:
+        return False, "stalled; checkpoint.requeue is false: not requeued"
+    if restart_count >= max_requeues:
+        return False, f"stalled; already requeued {restart_count} time(s) (checkpoint.max_requeues={max_requeues})"
+    return True, f"stalled: requeue {restart_count + 1} of at most {max_requeues}, from the last checkpoint"
 
 
 #: Seconds kept between a collective's timeout and the job's end.
@@ -206,6 +231,18 @@ def stall_failure(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] 
     return doc, errors
 
 
+def park_if_stalling() -> None:
+    """Called by a failing main thread: when this rank's watchdog is ending it, wait for that exit.
+
+    Once every rank agreed on a stall, the stuck rank leaves and a waiting rank's collective fails
+    under it ("Connection reset by peer"). Its error record would blame the waiter; its watchdog
+    is about to leave with :data:`STALL_EXIT_CODE` after writing the stall's records, so the main
+    thread waits (at most :data:`PARK_S`) instead of recording a failure of its own.
+    """
+    if _STALLING.is_set():
+        threading.Event().wait(PARK_S)
+
+
 # --------------------------------------------------------------------------- the stack
 def main_thread_frames() -> tuple[list[str], str]:
     """The main thread's frame file names (outermost first) and its innermost frame as ``file:line in func``."""
@@ -241,16 +278,24 @@ class ProgressWatch:
             rank leaves; it writes the error record and ``failure.json`` and may requeue.
         exit: how a stalled rank leaves (default ``os._exit``; tests pass their own).
         settle_s: seconds to wait for the peers' records (default :func:`settle_time`).
+        busy_share: for a loop that cannot say what is not a step (a script without the API, fed by
+            its optimizer steps): past the bound, a rank whose main thread is not inside a
+            collective and that used at least this share of a core since its last step is busy
+            (a validation pass, a checkpoint), not stalled: the wait starts again (see
+            :func:`busy_not_stalled`). None (the API and the engines): no such exception.
+        cpu_clock: this process's CPU seconds (default :func:`time.process_time`).
     """
 
     def __init__(self, records: Any, rank: int, world_size: int, host: str, policy: StallPolicy, segment: str,
                  on_stall: Callable[[list[int], dict[int, Any], dict[str, Any]], None],
-                 exit: Callable[[int], None] = os._exit, settle_s: float | None = None) -> None:
+                 exit: Callable[[int], None] = os._exit, settle_s: float | None = None,
+                 busy_share: float | None = None, cpu_clock: Callable[[], float] = time.process_time) -> None:
         self.records, self.rank, self.world_size, self.host = records, rank, world_size, host
         self.policy, self.segment, self.on_stall, self._exit = policy, segment, on_stall, exit
-        self.settle_s = settle_s
+        self.settle_s, self.busy_share, self._cpu_clock = settle_s, busy_share, cpu_clock
         self.step: int | None = None
         self._t_last = time.monotonic()
+        self._cpu_last = cpu_clock()
         self._intervals: deque[float] = deque(maxlen=WINDOW)
         self._paused = 0
         self._stop = threading.Event()
@@ -265,6 +310,8 @@ class ProgressWatch:
         if self.step is not None and step > self.step and not self._paused:
             self._intervals.append((now - self._t_last) / (step - self.step))
         self.step, self._t_last = step, now
+        if self.busy_share is not None:
+            self._cpu_last = self._cpu_clock()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -320,14 +367,22 @@ class ProgressWatch:
             bound = self.bound()
             now = time.monotonic()
             if bound is not None and not self._paused and now - self._t_last > bound:
-                self._stall()
-                return
+                if self.busy_share is None:
+                    self._stall()
+                    return
+                cpu = self._cpu_clock()
+                frames, _ = main_thread_frames()
+                if not busy_not_stalled(self.busy_share, now - self._t_last, cpu - self._cpu_last, frames):
+                    self._stall()
+                    return
+                self._t_last, self._cpu_last = now, cpu  # a pass that is no step: the wait starts again
             if now - self._last_write >= beat_interval(bound):
                 self._write(self.record("running"))
 
     def _stall(self) -> None:
         """No step for longer than the bound: record, agree on the stuck rank(s), hand over, leave."""
         self.stalled = True
+        _STALLING.set()  # before this rank says "stalled": a peer that acts on it may break our collective
         frames, where = main_thread_frames()
         own = self.record("stalled", waiting=waiting_for_peers(frames), where=where, stack=dump_stacks())
         self._write(own)

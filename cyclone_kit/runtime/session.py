@@ -405,8 +405,10 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
 def start_watch(session: Session) -> Any:
     """This rank's progress watchdog, started (False when ``checkpoint.stall_floor_s`` is 0)."""
     from cyclone_kit.rundir.failures import segment_id
+    from cyclone_kit.runtime import scriptwatch
     from cyclone_kit.runtime.progress import ProgressWatch, RunDirRecords, StallPolicy
 
+    scriptwatch.hand_over()  # a script that calls ck.log_step: the shim's optimizer-step watchdog stops here
     policy = StallPolicy(session.cc.stall_floor_s, session.cc.stall_factor)
     if not policy.enabled:
         return False
@@ -421,7 +423,7 @@ def on_stall(session: Session, stuck: list[int], records: dict[int, Any]) -> Non
     record (rank 0), and the requeue (the rank that wrote ``failure.json``, under Slurm, when
     allowed and no step watcher does it)."""
     from cyclone_kit.rundir.failures import record_stall, segment_id
-    from cyclone_kit.runtime.progress import stall_failure
+    from cyclone_kit.runtime.progress import stall_failure, stall_requeue
 
     env, environ = session.env, session.environ
     job_id = environ.get("SLURM_JOB_ID")
@@ -434,22 +436,13 @@ def on_stall(session: Session, stuck: list[int], records: dict[int, Any]) -> Non
     step = session.watch.step if session.watch else None
     session.end("failed", int(step or 0), release_signals=False)
     if won and under_slurm(environ) and not environ.get(STEPWATCH_VAR):
-        yes, why = stall_requeue(session.cc, env.restart_count)
+        yes, why = stall_requeue(session.cc.requeue, session.cc.max_requeues, env.restart_count)
         sys.stderr.write(f"cyclone_kit: {why}\n")
         if yes:
             try:
                 requeue(environ)
             except (CommandError, ValidationError) as e:
                 warn(f"requeue failed: {e}")
-
-
-def stall_requeue(cc: CheckpointConfig, restart_count: int) -> tuple[bool, str]:
-    """Whether a stalled job is requeued (pure): ``checkpoint.requeue`` and requeues left."""
-    if not cc.requeue:
-        return False, "stalled; checkpoint.requeue is false: not requeued"
-    if restart_count >= cc.max_requeues:
-        return False, f"stalled; already requeued {restart_count} time(s) (checkpoint.max_requeues={cc.max_requeues})"
-    return True, f"stalled: requeue {restart_count + 1} of at most {cc.max_requeues}, from the last checkpoint"
 
 
 def _group_of_one(device: DeviceChoice, timeout_s: int) -> None:

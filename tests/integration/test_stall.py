@@ -96,7 +96,10 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path) -> No
     stopped: list[int] = []
 
     argv = ["run", str(SMOKE), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path),
-            "--set", "train.steps=1000000", "--set", "train.log_every=5", "--set", f"checkpoint.stall_floor_s={FLOOR_S}"]
+            "--set", "train.steps=1000000", "--set", "train.log_every=5", "--set", f"checkpoint.stall_floor_s={FLOOR_S}",
+            # no validation pass and no checkpoint: the stop lands in a step (a pause, not a step, is not watched;
+            # a peer that stops there is left to the collective's timeout)
+            "--set", "train.val_samples=0", "--set", "checkpoint.every_steps=0"]
     child = subprocess.Popen([sys.executable, "-m", "cyclone_kit", *argv], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -123,9 +126,75 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path) -> No
     assert child.returncode == 1, out + err
     assert run_dir is not None
     failure = _failure(run_dir)
-    assert (failure["cause"], failure["stuck"]) == ("stalled", [1]), failure
+    assert (failure["cause"], failure.get("stuck")) == ("stalled", [1]), failure
     assert "rank 1 on host localhost" in failure["root_cause"] and "did not answer" in failure["root_cause"]
     assert "rank(s) 0 waited for it" in failure["root_cause"], failure["root_cause"]
     record = json.loads((run_dir / "ranks" / "error-rank-00001.json").read_text())
     assert record["source"] == "peer-watchdog" and record["type"] == "Stalled", record
     _ended_in_time(run_dir, 1)
+
+
+# --------------------------------------------------------------------------- scripts without the API
+#: A plain DDP script (no cyclone_kit): rank 1 sleeps forever before step 15; or, with ``busy``, one
+#: rank computes for BUSY bounds between steps 5 and 6 (a validation pass, no optimizer step).
+PLAIN = """
+import sys, time
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+mode, busy_s = sys.argv[1], float(sys.argv[2])
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+steps = 1000000 if mode == "hang" else 10
+for step in range(1, steps + 1):
+    if mode == "hang" and dist.get_rank() == 1 and step == 15:
+        while True:
+            time.sleep(3600)   # sleep_forever: the injected fault
+    if mode == "busy" and step == 6:
+        end, acc = time.monotonic() + busy_s, 0
+        while time.monotonic() < end:   # a validation pass: computing, no optimizer step
+            acc += sum(i * i for i in range(1000))
+    F.mse_loss(model(torch.randn(16, 32)), torch.zeros(16, 4)).backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_a_plain_script_rank_hung_at_a_step_is_named_by_the_shims_watchdog(tmp_path: Path) -> None:
+    """No ck call in the script: the shim's watchdog, fed by torch's optimizer step hook, ends the
+    run within the bound and names rank 1 with its stack; the waiting rank 0 is not blamed."""
+    script = tmp_path / "plain_hang.py"
+    script.write_text(PLAIN)
+    proc = run_cli("run", str(script), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   "--set", f"checkpoint.stall_floor_s={FLOOR_S}", "--", "hang", "0", cwd=tmp_path, timeout=HANG_S)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    failure = _failure(run_dir)
+    assert (failure["cause"], failure["stuck"]) == ("stalled", [1]), failure
+    assert failure["root_cause"].startswith("rank 1 on host localhost"), failure["root_cause"]
+    assert "stopped making progress after step 14" in failure["root_cause"], failure["root_cause"]
+    assert "rank(s) 0 waited for it" in failure["root_cause"], failure["root_cause"]
+    record = json.loads((run_dir / "ranks" / "error-rank-00001.json").read_text())
+    assert record["type"] == "Stalled" and record["step"] == 14 and "plain_hang.py" in record["traceback"], record
+    assert not (run_dir / "ranks" / "error-rank-00000.json").exists(), "the waiting rank is not blamed"
+    end = [json.loads(line) for line in (run_dir / "shim.jsonl").read_text().splitlines()][-1]
+    assert end["kind"] == "end" and end["status"] == "failed" and "stalled: rank 1" in end["error"], end
+    _ended_in_time(run_dir, 1)
+
+
+def test_a_plain_script_computing_between_steps_past_the_bound_is_not_stalled(tmp_path: Path) -> None:
+    """A validation pass of three bounds (no optimizer step, but a busy CPU) runs to the end."""
+    script = tmp_path / "plain_busy.py"
+    script.write_text(PLAIN)
+    proc = run_cli("run", str(script), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   "--set", "checkpoint.stall_floor_s=2", "--", "busy", "6", cwd=tmp_path, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    assert not (run_dir / "failure.json").exists()
+    progress = [json.loads(p.read_text()) for p in sorted((run_dir / "progress").glob("rank-*.json"))]
+    assert [(p["state"], p["step"]) for p in progress] == [("ended", 10), ("ended", 10)], progress
+    assert all(p["bound_s"] == 2 for p in progress), progress

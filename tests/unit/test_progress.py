@@ -138,6 +138,52 @@ def test_a_pause_is_not_a_stall() -> None:
     assert records.data[0]["state"] == "ended" and records.data[0]["step"] == 6
 
 
+def test_a_rank_past_its_bound_is_busy_only_computing_outside_a_collective() -> None:
+    script = ["/x/train.py", "/x/train.py"]
+    assert pg.busy_not_stalled(0.1, 10.0, 4.0, script)  # a validation pass: 40% of a core
+    assert not pg.busy_not_stalled(0.1, 10.0, 0.2, script)  # asleep, on a lock, on a dead file system
+    assert not pg.busy_not_stalled(0.1, 10.0, 9.0, [*script, "/v/torch/distributed/distributed_c10d.py"])
+    assert not pg.busy_not_stalled(0.1, 0.0, 1.0, script)
+
+
+def test_a_busy_script_is_not_stalled_and_an_idle_one_is() -> None:
+    """busy_share (a script fed by its optimizer steps): a CPU clock that runs at half the wall
+    clock past the bound restarts the wait; once it stops, the watchdog fires."""
+    records, called, exits = _Records(), [], []
+    done, busy = threading.Event(), threading.Event()
+    busy.set()
+    cpu = [0.0]
+    last = [time.monotonic()]
+
+    def clock() -> float:  # half a core while busy, nothing after
+        now = time.monotonic()
+        if busy.is_set():
+            cpu[0] += (now - last[0]) / 2
+        last[0] = now
+        return cpu[0]
+
+    def leave(code: int) -> None:
+        exits.append(code)
+        done.set()
+
+    watch = pg.ProgressWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
+                             lambda stuck, recs, own: called.append(own), exit=leave, settle_s=0.0,
+                             busy_share=0.1, cpu_clock=clock).start()
+    for step in range(1, 6):
+        watch.beat(step)
+    time.sleep(1.5)  # five bounds with no step, computing
+    assert not called and not exits
+    busy.clear()
+    assert done.wait(30), "the watchdog never fired once the rank stopped computing"
+    assert exits == [pg.STALL_EXIT_CODE] and called[0]["step"] == 5 and called[0]["state"] == "stalled"
+
+
+def test_stall_requeue_needs_requeue_on_and_requeues_left() -> None:
+    assert pg.stall_requeue(True, 3, 0) == (True, "stalled: requeue 1 of at most 3, from the last checkpoint")
+    assert pg.stall_requeue(False, 3, 0)[0] is False
+    assert pg.stall_requeue(True, 3, 3) == (False, "stalled; already requeued 3 time(s) (checkpoint.max_requeues=3)")
+
+
 # --------------------------------------------------------------------------- the step watcher
 def _view(progress: dict[int, dict], errors: dict[int, dict] | None = None, failure: dict | None = None):
     return sw.SegmentView(failure, errors or {}, progress)
