@@ -40,7 +40,7 @@ class _State:
     env: Any  # the rank's DistEnv
     checkpoint: Any  # the job's CheckpointConfig
     environ: Mapping[str, str]
-    on_stalled: Callable[[str], None]  # the shim's record of the end (rank 0), given the root cause
+    on_stalled: Callable[[str], None]  # the shim's end record, given the root cause (by one rank)
     steps: int = 0
     watch: Any = None
     hook: Any = None  # the optimizer hook's handle
@@ -119,7 +119,7 @@ def _start(state: _State) -> Any:
 
 def _on_stall(state: _State, stuck: list[int], records: dict[int, Any]) -> None:
     """A stalled rank's last acts (from the watchdog's thread): the records, the shim's end record
-    (rank 0), and the requeue (the rank that wrote ``failure.json``, under Slurm, when allowed and
+    (the rank that wrote ``failure.json``), and the requeue (the rank that wrote ``failure.json``, under Slurm, when allowed and
     no step watcher does it)."""
     from cyclone_kit.rundir.failures import record_stall, segment_id
     from cyclone_kit.runtime.progress import STEPWATCH_VAR, stall_failure, stall_requeue
@@ -127,11 +127,12 @@ def _on_stall(state: _State, stuck: list[int], records: dict[int, Any]) -> None:
 
     env, environ = state.env, state.environ
     doc, errors = stall_failure(stuck, records, env.world_size, environ.get("SLURM_JOB_ID"), segment_id(environ))
-    on_behalf = [e for r, e in errors.items() if r != env.rank and (records.get(r) or {}).get("state") != "stalled"]
+    # every other stuck rank's record, by the winner: a stuck rank may be stopped by the launcher before it writes its own
+    on_behalf = [e for r, e in errors.items() if r != env.rank]
     won = record_stall(state.run_dir, doc, errors.get(env.rank), on_behalf)
     if won:
         sys.stderr.write(f"cyclone_kit: stalled: {doc['root_cause']}\n")
-    if env.rank == 0:
+    if won:  # one end record, by the rank that wrote failure.json (the others may be stopped by now)
         state.on_stalled(str(doc["root_cause"]))
     if won and under_slurm(environ) and not environ.get(STEPWATCH_VAR):
         yes, why = stall_requeue(state.checkpoint.requeue, state.checkpoint.max_requeues, env.restart_count)
