@@ -168,7 +168,9 @@ SchedulerType=sched/backfill
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=100000,sched_interval=5,bf_interval=5
 MailProg=/bin/true
 ReturnToService=2
-KillWait=5
+# KillWait: SIGTERM to a cancelled step's tasks, SIGKILL this long after (Slurm default 30 s): time for
+# 4 ranks on 2 shared cores to agree on a stop step and write their checkpoint when the machine is busy
+KillWait=15
 InactiveLimit=0
 MinJobAge=300
 SlurmctldTimeout=30

@@ -283,13 +283,18 @@ def _run_files(run_dir: Path) -> list[Path]:
 
 
 def _run_ended(run_dir: Path) -> bool:
+    """Whether ``logs -f`` has all of a run's output: a scheduler's job once the scheduler says it ended
+    (rank 0 writes its end record before its last lines reach the job's log, and a failed segment may
+    be requeued), a run here once its records say so."""
     from cyclone_kit.backends.base import handle_of
 
-    rd = RunDir(run_dir)
-    if rd.end_status() in ("completed", "failed", "cancelled") or failures.root_cause(rd.path):
-        return True
-    if handle_of(run_dir) is None:
-        return False
+    handle = handle_of(run_dir)
+    if handle is None or handle.backend == "local":
+        rd = RunDir(run_dir)
+        if rd.end_status() in ("completed", "failed", "cancelled") or failures.root_cause(rd.path):
+            return True
+        if handle is None:
+            return False
     row = run_row(run_dir)
     return row.state.is_terminal or row.state is JobState.UNKNOWN
 

@@ -47,8 +47,11 @@ if TYPE_CHECKING:
 
 __all__ = ["FAILURE_FILE", "LAUNCH_FILE", "LaunchResult", "RankExit", "format_failure", "launch", "signal_name"]
 
-#: Seconds between SIGTERM and SIGKILL when stopping ranks.
+#: Seconds between SIGTERM and SIGKILL when stopping ranks after one failed (they may wait on a dead peer).
 GRACE_S = 5.0
+#: Seconds between SIGTERM and SIGKILL when the run is stopped (Ctrl-C, SIGTERM, ``timeout_s``): the ranks
+#: agree on a step and write their stop checkpoint meanwhile (Slurm's default KillWait).
+STOP_GRACE_S = 30.0
 STDERR_TAIL_LINES = 20
 
 
@@ -247,6 +250,7 @@ def launch(
     command: Sequence[str] | None = None,
     job_name: str = "cyclone",
     grace_s: float = GRACE_S,
+    stop_grace_s: float = STOP_GRACE_S,
     timeout_s: float | None = None,
     echo: IO[str] | None = None,
     environ: Mapping[str, str] | None = None,
@@ -264,7 +268,8 @@ def launch(
         threads: torch threads per rank (default: the cores shared evenly, at least 1).
         command: what each rank runs (default: ``python -m cyclone_kit.runtime --run-dir DIR``).
         job_name: SLURM_JOB_NAME.
-        grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping ranks after a rank failed.
+        stop_grace_s: the same when the run is stopped (an interrupt, ``timeout_s``): time for the stop checkpoint.
         timeout_s: stop every rank after this many seconds (treated as an interrupt).
         echo: a stream that receives rank 0's stdout as it is written (None: silent).
         environ: the base environment (default ``os.environ``; an enclosing launcher's
@@ -349,7 +354,8 @@ def launch(
                         stop_began = time.monotonic()
                         stopping.update(r for r in range(len(procs)) if r not in exits)
                         _terminate(procs, stopping, exits)
-                    elif stop_began is not None and time.monotonic() - stop_began > grace_s:
+                    elif stop_began is not None and time.monotonic() - stop_began > (
+                            stop_grace_s if interrupted else grace_s):
                         _kill(procs, exits)
                     continue
                 exit_ = RankExit(rank, envs[rank]["SLURMD_NODENAME"], procs[rank].pid, code, when - started,
@@ -369,7 +375,7 @@ def launch(
                     signal.signal(sig, signal.SIG_IGN)
             stopping.update(r for r in range(len(procs)) if r not in exits)
             _terminate(procs, stopping, exits)
-            _drain(procs, events, exits, envs, stopping, started, grace_s)
+            _drain(procs, events, exits, envs, stopping, started, stop_grace_s)
     finally:
         # Whatever happened: no rank, and nothing a rank started in its group, outlives the launcher.
         for rank, proc in enumerate(procs):

@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import signal
 import socket
 from collections.abc import Mapping, Sequence
@@ -259,8 +260,20 @@ def record_stall(run_dir: Path, doc: Mapping[str, Any], own: Mapping[str, Any] |
     return won
 
 
+def peer_lost(record: Mapping[str, Any] | None) -> bool:
+    """Whether an error record says only that a peer's connection went away (pure): a symptom, not a cause."""
+    if not record:
+        return False
+    return bool(PEER_LOST.search(f"{record.get('type', '')}: {record.get('message', '')}"))
+
+
 def record_death(run_dir: Path, record: Mapping[str, Any]) -> None:
-    """The watchdog's writes: the rank's error record (unless it wrote one) and ``failure.json`` (first wins)."""
+    """The watchdog's writes: the rank's error record (unless it wrote one) and ``failure.json``.
+
+    First writer wins, except over a ``failure.json`` of this segment whose first error is a peer's
+    lost connection: a survivor whose collective broke under the dead rank may have been quicker
+    to record that symptom than this rank's watchdog the death that caused it.
+    """
     rd = RunDir(run_dir)
     own = rd.error_record(int(record["rank"]))
     own.parent.mkdir(parents=True, exist_ok=True)
@@ -268,7 +281,17 @@ def record_death(run_dir: Path, record: Mapping[str, Any]) -> None:
         write_new(own, json.dumps(dict(record), indent=1) + "\n")
     doc = failure_doc(written_by="watchdog", cause="rank_failed", root_cause=death_line(record), first=record,
                       job_id=record.get("slurm_job_id"), time=record.get("time"))
-    write_failure(rd.path, doc, first_wins=True)
+    if write_failure(rd.path, doc, first_wins=True):
+        return
+    old = read_failure(rd.path)
+    if old is not None and old.get("cause") == "rank_failed" and peer_lost(old.get("first")) and (
+            old.get("segment") == doc.get("segment")):
+        write_failure(rd.path, doc)
+
+
+#: What an error says when a peer's process vanished under a collective (gloo, NCCL, sockets).
+PEER_LOST = re.compile(r"connection (reset|closed|refused)|closed by peer|broken pipe|socket timeout|"
+                       r"communicator was aborted|peer .* (gone|closed)|end of file|EOF", re.IGNORECASE)
 
 
 def record_rank_failure(run_dir: Path, rank: int, *, written_by: str, job_id: str | None = None,

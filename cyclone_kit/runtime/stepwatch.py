@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -47,9 +46,6 @@ GRACE_S = 5.0
 KILL_AFTER_S = 60.0
 #: Slack on top of twice the largest bound before silent ranks count as stalled.
 SILENT_SLACK_S = 30.0
-#: What the first error of a segment says when a peer's process vanished under it (gloo, NCCL, sockets).
-PEER_LOST = re.compile(r"connection (reset|closed|refused)|closed by peer|broken pipe|socket timeout|"
-                       r"communicator was aborted|peer .* (gone|closed)|end of file|EOF", re.IGNORECASE)
 #: Causes after which a requeue can help (a retry of a rank that raised would fail again).
 REQUEUE_CAUSES = ("stalled", "rank_lost")
 
@@ -93,7 +89,7 @@ def vanished(view: SegmentView) -> list[int]:
     if not view.errors:
         return []
     first = min(view.errors.values(), key=lambda r: (str(r.get("time", "")), r.get("rank", 0)))
-    if not PEER_LOST.search(f"{first.get('type', '')}: {first.get('message', '')}"):
+    if not failures.peer_lost(first):
         return []
     return sorted(r for r, p in view.progress.items() if p.get("state") == "running" and r not in view.errors)
 

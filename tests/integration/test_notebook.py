@@ -92,6 +92,7 @@ def _run_notebook(nb, cwd: Path, kernel_name: str, monkeypatch: pytest.MonkeyPat
     return outputs, "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
 
 
+@pytest.mark.timeout(1800 + 120)  # the demo's own hang guard (1800 s) fires first, with its output
 def test_default_notebook_shows_the_newest_demo_study_and_its_warnings(
     tmp_path: Path, kernel_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -30,7 +30,8 @@ from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.slurm_jobs import cancel_quietly, parse_submit_output, read_records, wait_for
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+#: pytest-timeout of a test: its own waits (first steps, a requeue, a resume) are each bounded below it.
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 1000
 

@@ -106,10 +106,10 @@ def test_two_nodes_two_tasks_per_node(backend: SlurmBackend, submit: Submit) -> 
     assert hostlist.first_host(env["SLURM_JOB_NODELIST"]) == "c1"
     assert hostlist.expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"]) == [2, 2]
     assert "SLURM_RESTART_COUNT" not in env  # only after a requeue
-    # Generous on purpose (issue 12): a 2-node srun job takes 1-1.5 s here, so 30 s holds on a machine
-    # 5x slower with room to spare; what it catches is Slurm's default scheduling delays (2-3 s per
-    # job, see LOCAL-SLURM facts) piling up, or a node that never answers.
-    assert latency < 30
+    # A hang guard, not a timing target (issue 12): a 2-node srun job takes 1-1.5 s on a quiet machine;
+    # what this catches is a node that never answers, or Slurm's default scheduling delays (2-3 s per
+    # job, see LOCAL-SLURM facts) piling up without end, not a busy machine (the other test stream).
+    assert latency < 120
 
 
 def test_failed_job_and_all_status_sources_agree(backend: SlurmBackend, submit: Submit) -> None:
@@ -167,7 +167,7 @@ def test_cancel_running_two_node_job_leaves_no_process(backend: SlurmBackend, su
     backend.cancel(job_id)
     info = backend.wait(job_id, timeout=HANG_S)
     assert info.state is JobState.CANCELLED
-    # KillWait=5: SIGTERM, then SIGKILL 5 s later at the latest.
+    # KillWait (15 s here): SIGTERM, then SIGKILL that long after at the latest.
     wait_for(lambda: not processes_with_argv(["sleep", seconds]), HANG_S, f"no `sleep {seconds}` left")
     backend.cancel(job_id)  # cancelling a finished job is a no-op, not an error
 

@@ -50,8 +50,8 @@ SCRIPT = textwrap.dedent("""
         if segment == 0 and Path("./requeue-me").exists():
             while not all(Path(f"./out-0-rank{r}.json").exists() for r in range(int(os.environ["WORLD_SIZE"]))):
                 time.sleep(0.1)   # every rank has recorded the first segment before it is ended
+            Path("./requeue-me").unlink()   # first: the requeue's SIGTERM may end this rank at once
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
-            Path("./requeue-me").unlink()
             time.sleep(600)   # Slurm ends this segment (the requeue) and starts the job again
 """)
 

@@ -97,6 +97,25 @@ def test_both_writers_produce_the_same_versioned_schema(tmp_path: Path) -> None:
         failures.failure_doc(written_by="local", cause="oops", root_cause="x")
 
 
+def test_a_death_replaces_a_survivors_lost_connection_but_not_a_real_error(tmp_path: Path) -> None:
+    """A survivor quicker to record "Connection closed by peer" than the dead rank's watchdog its
+    SIGKILL: the death is the root cause. A real first error (a ValueError) is kept."""
+    def survivor(run_dir: Path, message: str) -> None:
+        (run_dir / "ranks").mkdir(parents=True)
+        rec = {"rank": 0, "host": "c1", "type": "RuntimeError" if "peer" in message else "ValueError",
+               "message": message, "traceback": "", "time": "2026-01-01T00:00:00.500+00:00"}
+        (run_dir / "ranks" / "error-rank-00000.json").write_text(json.dumps(rec))
+        assert failures.record_rank_failure(run_dir, 0, written_by="rank")
+
+    death = failures.death_record(1, "c2", 100, -signal.SIGKILL, "2026-01-01T00:00:00.600+00:00", "77")
+    survivor(tmp_path / "a", "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5000")
+    failures.record_death(tmp_path / "a", death)
+    assert failures.root_cause(tmp_path / "a") == "rank 1 on host c2 (pid 100) killed by SIGKILL"
+    survivor(tmp_path / "b", "bad batch")
+    failures.record_death(tmp_path / "b", death)
+    assert "ValueError: bad batch" in (failures.root_cause(tmp_path / "b") or "")
+
+
 def test_root_cause_skips_a_clean_stop_and_falls_back_to_error_records(tmp_path: Path) -> None:
     clean = failures.failure_doc(written_by="local", cause="interrupted", root_cause="interrupted",
                                  ranks=[{"rank": 0, "exit_code": 0}])
