@@ -13,6 +13,7 @@ def test_two_jobs_16000_apart_on_one_node_get_different_ports() -> None:
     """The collision the plain formula had: job ids 16000 apart map to the same port."""
     with socket.socket() as held:
         first = pick_port(15000, 16000, 123)
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as pick_port probes: a TIME_WAIT port is free
         held.bind(("", first))
         held.listen()
         second = int(subprocess.run([sys.executable, "-m", "cyclone_kit.core.ports", "15000", "16000", str(123 + 16000)],
