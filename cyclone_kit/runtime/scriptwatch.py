@@ -82,11 +82,6 @@ def stop() -> None:
         state.watch.stop()
 
 
-def steps_seen() -> int:
-    """Optimizer steps this watchdog has seen on this rank."""
-    return _STATE.steps if _STATE is not None else 0
-
-
 def _register(optimizer_module: Any) -> None:
     """On ``torch.optim.optimizer``'s import: register the step hook (once)."""
     state = _STATE
@@ -118,23 +113,23 @@ def _start(state: _State) -> Any:
 
 
 def _on_stall(state: _State, stuck: list[int], records: dict[int, Any]) -> None:
-    """A stalled rank's last acts (from the watchdog's thread): the records, the shim's end record
-    (the rank that wrote ``failure.json``), and the requeue (the rank that wrote ``failure.json``, under Slurm, when allowed and
-    no step watcher does it)."""
+    """A stalled rank's last acts (from the watchdog's thread): the records; and, by the rank that wrote
+    ``failure.json``, the shim's end record and the requeue (under Slurm, when allowed and no step
+    watcher does it)."""
     from cyclone_kit.rundir.failures import record_stall, segment_id
     from cyclone_kit.runtime.progress import STEPWATCH_VAR, stall_failure, stall_requeue
     from cyclone_kit.runtime.signals import requeue, under_slurm
 
     env, environ = state.env, state.environ
     doc, errors = stall_failure(stuck, records, env.world_size, environ.get("SLURM_JOB_ID"), segment_id(environ))
-    # every other stuck rank's record, by the winner: a stuck rank may be stopped by the launcher before it writes its own
+    # every other stuck rank's record, by the winner: the launcher may stop a stuck rank before it writes its own
     on_behalf = [e for r, e in errors.items() if r != env.rank]
     won = record_stall(state.run_dir, doc, errors.get(env.rank), on_behalf)
-    if won:
-        sys.stderr.write(f"cyclone_kit: stalled: {doc['root_cause']}\n")
-    if won:  # one end record, by the rank that wrote failure.json (the others may be stopped by now)
-        state.on_stalled(str(doc["root_cause"]))
-    if won and under_slurm(environ) and not environ.get(STEPWATCH_VAR):
+    if not won:
+        return
+    sys.stderr.write(f"cyclone_kit: stalled: {doc['root_cause']}\n")
+    state.on_stalled(str(doc["root_cause"]))  # one end record: the other ranks may be stopped by now
+    if under_slurm(environ) and not environ.get(STEPWATCH_VAR):
         yes, why = stall_requeue(state.checkpoint.requeue, state.checkpoint.max_requeues, env.restart_count)
         sys.stderr.write(f"cyclone_kit: {why}\n")
         if yes:

@@ -429,7 +429,7 @@ def on_stall(session: Session, stuck: list[int], records: dict[int, Any]) -> Non
     job_id = environ.get("SLURM_JOB_ID")
     doc, errors = stall_failure(stuck, records, env.world_size, job_id, segment_id(environ))
     own = errors.get(env.rank)
-    # every other stuck rank's record, by the winner: a stuck rank may be stopped by the launcher before it writes its own
+    # every other stuck rank's record, by the winner: the launcher may stop a stuck rank before it writes its own
     on_behalf = [e for r, e in errors.items() if r != env.rank]
     won = record_stall(session.run_dir, doc, own, on_behalf)
     if won:
