@@ -142,10 +142,13 @@ class _Run:
         if not any(hasattr(x, "float") for x in self.window_losses):
             _synchronize(self.ctx.device)
         now = time.perf_counter()
-        phases = None
+        phases, opened = None, now
         if self.timer is not None:
             phases = self.timer.close().fields()  # CUDA events: read after the sync above
             self.timer.open()
+            # the next window's clock starts with its phase chain (as the engine's does), so that its
+            # phases add up to its step time whatever the close above took
+            opened = time.perf_counter()
             if not self.data_timed:
                 phases["data_time_s"] = None  # no loader given: data loading is inside other_time_s
         samples = self.window_samples
@@ -153,7 +156,7 @@ class _Run:
         self.session.log_window(step, None, loss if main else None, self.window_steps, now - self.window_t0, None,
                                 samples, samples / self.ctx.world_size, nonfinite_steps=bad if main else 0,
                                 phases=phases)
-        self.window_t0, self.window_steps, self.window_samples = now, 0, 0.0
+        self.window_t0, self.window_steps, self.window_samples = opened, 0, 0.0
         self.window_losses = []
 
 
@@ -248,9 +251,9 @@ def load_checkpoint(map_location: Any = "cpu") -> dict[str, Any] | None:
     state, path = found
     step = int(state["step"])
     run.start_step = step
-    run.window_t0 = time.perf_counter()  # the first window times steps, not the load
     if run.timer is not None:
         run.timer.open()  # (ck.instrument's window too)
+    run.window_t0 = time.perf_counter()  # the first window times steps, not the load
     if run.ctx.is_main:
         print(f"cyclone_kit: resumed from {path} at step {step}", flush=True)
     if USER_STATE in state:
@@ -336,9 +339,9 @@ def instrument(model: Any = None, loader: Any = None, optimizer: Any = None) -> 
         raise ApiUsageError(f"ck.instrument(model=...) could not register its DDP comm hook ({e})",
                             hint="leave out model= or remove your own register_comm_hook call") from None
     run.timer, run.data_timed = timer, loader is not None
+    timer.open()
     if not run.window_steps:
         run.window_t0 = time.perf_counter()  # the first window starts here, with the timer
-    timer.open()
     return wrapped
 
 
