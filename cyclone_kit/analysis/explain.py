@@ -219,14 +219,18 @@ def diagnose(points: pd.DataFrame) -> Diagnosis | None:
 
 
 def recommendations(diagnosis: Diagnosis | None) -> tuple[str, ...]:
-    """The changes that act on the diagnosed cause (and on any other phase with a third of the loss)."""
+    """The changes that act on the diagnosed cause (and on any other phase with a third of the loss).
+
+    An input-bound step gets the loader's changes too, first: it waits for data most of its time,
+    so they act on more of it than any change to what grew.
+    """
     if diagnosis is None:
         return ()
     causes = ([diagnosis.cause] if diagnosis.cause else []) + [
         c for c, s in diagnosis.shares.items()
         if s >= CAUSE_SHARE and c != diagnosis.cause and not (diagnosis.cause == "shared_cores" and c == "compute_time_s")]
-    if diagnosis.input_bound and "data_time_s" not in causes:
-        causes.append("data_time_s")
+    if diagnosis.input_bound:
+        causes = ["data_time_s", *[c for c in causes if c != "data_time_s"]]
     return tuple(r for c in causes for r in RECOMMENDATIONS.get(c, ()))
 
 

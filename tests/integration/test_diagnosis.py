@@ -77,7 +77,12 @@ def test_an_input_bound_study_is_named_input_bound(tmp_path: Path) -> None:
                          f'"{tmp_path / "images"}"\nimage_size = 32\nnum_workers = 0\n', batch=16))
     assert "the run is input-bound" in md, md
     assert "train.num_workers" in md and "local disk" in md, md
-    assert "fp16_allreduce" not in md, md
+    advice = md.split("What acts on that cause:", 1)[1]
+    assert advice.lstrip().startswith("- more loader workers"), advice  # the loader's changes first
+    # The all-reduce's changes only when it is what grew: with a data wait that scaled as well as the
+    # batch shrank (a quiet machine), the 2-rank all-reduce is all of the lost efficiency, and named so.
+    if "of the lost efficiency is gradient all-reduce" not in md:
+        assert "fp16_allreduce" not in md, md
 
 
 @pytest.mark.timeout(2 * HANG_S)

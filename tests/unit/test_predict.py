@@ -207,6 +207,7 @@ def test_a_step_mostly_waiting_for_data_is_input_bound_even_when_the_wait_did_no
     assert d.input_bound and "input-bound" in d.sentence and d.cause == "comm_exposed_s"
     advice = explain.recommendations(d)
     assert any("num_workers" in a for a in advice) and any("fp16_allreduce" in a for a in advice)
+    assert "num_workers" in advice[0], advice  # the loader first: the step waits for data most of its time
 
 
 def test_cores_per_rank_come_from_the_affinity_each_rank_had_on_its_machine() -> None:
