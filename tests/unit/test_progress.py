@@ -18,6 +18,13 @@ from cyclone_kit.runtime import progress as pg
 from cyclone_kit.runtime import stepwatch as sw
 
 
+@pytest.fixture(autouse=True)
+def _not_stalling():
+    """A watchdog that fired here marks this (pytest's) process as stalling: clear it for the next test."""
+    yield
+    pg._STALLING.clear()
+
+
 # --------------------------------------------------------------------------- the bound
 def test_bound_is_the_floor_or_a_multiple_of_the_median_step() -> None:
     policy = pg.StallPolicy(floor_s=60, factor=20)
