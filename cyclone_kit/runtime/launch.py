@@ -445,8 +445,9 @@ def _run(shim: ShimArgs) -> int:
     from cyclone_kit.runtime import pgcheck
 
     pgcheck.watch()
+    from cyclone_kit.runtime import scriptwatch
+
     if spec is not None and run_dir is not None:  # a stalled step ends the job (see scriptwatch)
-        from cyclone_kit.runtime import scriptwatch
         from cyclone_kit.runtime.progress import STALL_EXIT_CODE
 
         def stalled(cause: str) -> None:
@@ -479,8 +480,7 @@ def _run(shim: ShimArgs) -> int:
             sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n")
         sys.excepthook(type(e), e, e.__traceback__)  # as for any uncaught exception (ck's hook records it too)
         _record_error(run_dir, rank, host, e)
-    if "cyclone_kit.runtime.scriptwatch" in sys.modules:
-        sys.modules["cyclone_kit.runtime.scriptwatch"].stop()
+    scriptwatch.stop()  # a no-op when it was not armed
     wall = time.monotonic() - started
     formed, used = pgcheck.formed_world(), pgcheck.collectives()
     warning = pgcheck.verdict(env.world_size, formed, used) if code == 0 else ""
