@@ -2,15 +2,14 @@
 # The full test suite, as `make test` runs it: three tiers in two streams at once.
 #
 #   stream 1: the Slurm tier, then the unit tier;  stream 2: the integration tier;
-#   then, alone on the machine: the tests whose verdict depends on timings measured while they run.
 #
 # The Slurm tier spends much of its time waiting on the scheduler (a requeued job may not start again
 # for cred_expire seconds; batch jobs start on the scheduler's next pass) while the integration tier
 # keeps both cores busy, so the two run beside each other; the short unit tier follows the Slurm tier
 # so that both streams end at about the same time. Each pytest run writes its own log, printed whole
 # when all have ended (never two runs' lines mixed); the suite fails if any run failed.
-# tests/integration/test_diagnosis.py must find a study communication-bound: with other tests' ranks on the
-# same cores its 2-rank compute grows too and the report (rightly) names compute, so it runs alone, last.
+# No test needs the machine to itself: a test whose verdict needs a condition (a slow link, a slow file system,
+# a late rank) makes it (tests/helpers/slow_parts.py), so its verdict holds beside other tests' ranks.
 #
 # usage: scripts/run-tests.sh PYTHON [PYTEST ARGS...]
 set -uo pipefail
@@ -19,8 +18,7 @@ py=${1:?usage: scripts/run-tests.sh PYTHON [PYTEST ARGS...]}
 shift
 logs=$(mktemp -d "${TMPDIR:-/tmp}/cyclone-tests.XXXXXX")
 common=(-q -ra -p no:cacheprovider --durations=40 "$@")
-ALONE=(tests/integration/test_diagnosis.py)
-TIERS=(slurm unit integration alone)
+TIERS=(slurm unit integration)
 pids=()
 
 show() {
@@ -56,10 +54,7 @@ tier() {  # tier NAME PATH...: one pytest run, its output in NAME.log and its ex
 started=$(date +%s)
 ( tier slurm tests/slurm; tier unit tests/unit ) &
 pids+=($!)
-( tier integration tests/integration "${ALONE[@]/#/--ignore=}" ) &
-pids+=($!)
-wait
-( tier alone "${ALONE[@]}" ) &   # in the background, so that a stop from outside is acted on at once
+( tier integration tests/integration ) &
 pids+=($!)
 wait
 

@@ -11,7 +11,13 @@ Pure functions over the steps, runs and ranks tables (:mod:`cyclone_kit.analysis
   CPU, gloo reduces on the ranks' own cores, so the all-reduce time "hidden" behind backward
   stretches compute: up to that much of compute's excess is counted as communication;
   the largest share of the lost time is the cause. Compute that grew where the ranks had fewer
-  cores than threads is the machine (shared cores), not the network;
+  cores than threads, or fewer cores than each rank had at N0, is the machine (shared cores), not the
+  network, and then none of compute's excess is moved to communication. Measured (issue 27, 2 cores,
+  ResNet-18 at 8 px): one thread instead of two costs a step 33-46 %, halving the batch from 4 to 2
+  saves only 5-14 %, while backward with its 45 MB gloo all-reduce on took as long as under
+  ``no_sync()`` (90.3 against 90.2 ms; the all-reduce alone takes 50 ms): a 1-rank point with 2 cores
+  against 2 ranks of 1 core grows compute by itself, and moving that to the all-reduce would name a
+  confident wrong cause;
   A step that waits for data 40 % of its time or more is input-bound, whether that wait grew or not;
 * :func:`recommendations`: the changes that act on that cause (and on an input-bound step), and only on them.
 
@@ -159,6 +165,12 @@ def _cores(ranks: pd.DataFrame, dirs: set[str]) -> tuple[float, float]:
     return (min(shares) if shares else math.nan), (float(threads.max()) if not threads.empty else math.nan)
 
 
+def _fewer_cores(base: Mapping[str, float], top: Mapping[str, float]) -> bool:
+    """Each rank at N had fewer cores than each rank at N0 (the ranks split a machine's cores; NaN: unknown)."""
+    low, high = top.get("cores_per_rank", math.nan), base.get("cores_per_rank", math.nan)
+    return not (math.isnan(low) or math.isnan(high)) and low < high
+
+
 def _ideal(base: Mapping[str, float], column: str, scale: float) -> float:
     """A phase's ideal at N: data and compute shrink with the per-device batch; the others stay as at N0."""
     value = base.get(column, 0.0)
@@ -184,7 +196,8 @@ def diagnose(points: pd.DataFrame) -> Diagnosis | None:
         base = {**base, "compute_time_s": base["step_time_s"] - (base["data_time_s"] or 0.0), "comm_exposed_s": 0.0,
                 "other_time_s": 0.0}
     excess = {c: (top[c] if not math.isnan(top[c]) else 0.0) - _ideal(base, c, scale) for c, _ in PARTS}
-    if top.get("device") == "cpu" and not math.isnan(top["comm_time_s"]) and excess["compute_time_s"] > 0:
+    fewer = _fewer_cores(base, top)
+    if top.get("device") == "cpu" and not math.isnan(top["comm_time_s"]) and excess["compute_time_s"] > 0 and not fewer:
         # gloo reduces on the ranks' own cores: the part "hidden" behind backward stretches compute instead
         hidden = max(0.0, top["comm_time_s"] - (top["comm_exposed_s"] or 0.0))
         moved = min(hidden, excess["compute_time_s"])
@@ -210,6 +223,10 @@ def diagnose(points: pd.DataFrame) -> Diagnosis | None:
         cause = "shared_cores"
         what = (f"compute that slowed because the ranks share cores ({top['cores_per_rank']:.2g} core(s) per rank for "
                 f"{top['threads']:.0f} thread(s)), not the network")
+    elif cause == "compute_time_s" and fewer:
+        cause = "shared_cores"
+        what = (f"compute that slowed because each rank had fewer cores at N = {n} ({top['cores_per_rank']:.2g}) than "
+                f"at N = {n0} ({base['cores_per_rank']:.2g}): the ranks split the machine's cores, not the network")
     else:
         what = CAUSE_NAMES[cause]
     flat = [labels[c] for c, _ in PARTS if c not in grew or shares.get(c, 0) < 0.05]

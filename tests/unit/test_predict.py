@@ -193,6 +193,21 @@ def test_on_cpu_the_hidden_all_reduce_that_stretched_backward_counts_as_communic
     assert on_gpu.cause == "compute_time_s"  # on a GPU the hidden part is hidden
 
 
+def test_compute_that_grew_when_each_rank_got_fewer_cores_is_the_machine_not_the_all_reduce() -> None:
+    # The clean-clone run's study (issue 27): 1 rank on 2 cores, then 2 ranks of 1 core; compute 147.5 -> 228.6 ms
+    # for an ideal of 73.8. One core instead of two costs a step a third or more (measured), so no part of that
+    # compute is moved to the all-reduce, and the report does not name the all-reduce.
+    one = _row(1, 4, 0.0, 0.1475, 0.0, 0.001, device="cpu", cores_per_rank=2.0)
+    two = _row(2, 2, 0.0, 0.2286, 0.020, 0.001, comm_time_s=0.090, device="cpu", cores_per_rank=1.0)
+    d = explain.diagnose(_points([one, two]))
+    assert d.cause == "shared_cores" and "fewer cores at N = 2 (1) than at N = 1 (2)" in d.sentence, d.sentence
+    assert "not the network" in d.sentence and "gradient all-reduce" not in d.sentence.split(";")[0]
+    advice = explain.recommendations(d)
+    assert any("fewer ranks per node" in a for a in advice) and not any("fp16_allreduce" in a for a in advice)
+    same_cores = explain.diagnose(_points([{**one, "cores_per_rank": 1.0}, two]))
+    assert same_cores.cause == "comm_exposed_s"  # with the cores unchanged the hidden all-reduce rule still holds
+
+
 def test_no_diagnosis_without_phases_or_without_a_loss() -> None:
     without = _points([_row(1, 64, 0.1, 0.4, 0, 0), {**_row(2, 32, 0.05, math.nan, math.nan, math.nan), "phases": False,
                                                      "step_time_s": 0.4}])
