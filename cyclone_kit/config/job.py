@@ -199,6 +199,10 @@ class CheckpointConfig:
             )
 
 
+#: What a script's ranks see of torchrun's variables (``script.dist_env``, ``--dist-env``).
+DIST_ENV_CHOICES = ("auto", "torchrun")
+
+
 @dataclass(frozen=True)
 class ScriptConfig:
     """The user's own training program, run on every rank instead of the built-in trainer.
@@ -214,6 +218,9 @@ class ScriptConfig:
     itself on every segment instead of the run directory's snapshot of it (taken at submission).
     ``samples_per_run`` is how many samples one run of the script processes (time-to-solution
     reports: cost per sample); 0: not told.
+    ``dist_env`` is what a rank sees of torchrun's variables (:data:`DIST_ENV_CHOICES`): ``auto``
+    gives them to every rank of a world of two or more and none to a world of one (as ``python
+    SCRIPT``), ``torchrun`` gives them to every rank, a world of one too (as ``torchrun --nproc 1``).
     """
 
     path: str = ""
@@ -224,8 +231,13 @@ class ScriptConfig:
     chdir: str = ""
     live: bool = False
     samples_per_run: int = 0
+    dist_env: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dist_env not in DIST_ENV_CHOICES:
+            raise ValidationError(f"script.dist_env {self.dist_env!r} is not one of {', '.join(DIST_ENV_CHOICES)}",
+                                  hint='dist_env = "auto" (a world of one runs as python SCRIPT) or "torchrun" '
+                                       "(every rank gets RANK, WORLD_SIZE, LOCAL_RANK ..., a world of one too)")
         if bool(self.path) == bool(self.module):
             raise ValidationError(
                 "[script] needs exactly one of path and module",

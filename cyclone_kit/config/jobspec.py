@@ -65,6 +65,10 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live-code", action="store_true",
                         help="run the script file itself on every segment, not the run directory's snapshot "
                              "of it and its modules taken now")
+    parser.add_argument("--dist-env", choices=("auto", "torchrun"),
+                        help="torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK ...) for a script's ranks: auto "
+                             "(default) gives them to a world of two or more, none to a world of one, as python "
+                             "SCRIPT; torchrun gives them to a world of one too, as torchrun --nproc 1")
 
 
 def add_data_check_argument(parser: argparse.ArgumentParser) -> None:
@@ -161,22 +165,23 @@ def _script_paths_from(table: dict[str, Any], base_dir: Path) -> dict[str, Any]:
 
 
 def _script_flags(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``--chdir`` (absolute from this folder) and ``--live-code`` written into the ``[script]`` table."""
+    """``--chdir`` (absolute from this folder), ``--live-code`` and ``--dist-env`` written into the ``[script]`` table."""
     table = script_flag_values(args, isinstance(data.get("script"), dict))
     return {**data, "script": {**data["script"], **table}} if table else data
 
 
 def script_flag_values(args: argparse.Namespace, has_script: bool) -> dict[str, Any]:
-    """The ``[script]`` keys ``--chdir`` (made absolute from this folder) and ``--live-code`` set; {} for neither.
+    """The ``[script]`` keys ``--chdir`` (made absolute from this folder), ``--live-code`` and ``--dist-env`` set; {} for none.
 
     Raises:
         ValidationError: a flag given for a job without a script, or an empty ``--chdir``.
     """
     chdir, live = getattr(args, "chdir", None), getattr(args, "live_code", False)
-    if chdir is None and not live:
+    dist_env = getattr(args, "dist_env", None)
+    if chdir is None and not live and dist_env is None:
         return {}
     if not has_script:
-        flag = "--chdir" if chdir is not None else "--live-code"
+        flag = "--chdir" if chdir is not None else "--live-code" if live else "--dist-env"
         raise ValidationError(f"{flag} is for a script job, and this job runs the built-in trainer",
                               hint="give SCRIPT.py (or -m MODULE, or a spec with a [script] table), or drop " + flag)
     table: dict[str, Any] = {}
@@ -186,6 +191,8 @@ def script_flag_values(args: argparse.Namespace, has_script: bool) -> dict[str, 
         table["chdir"] = str(Path(chdir).expanduser().absolute())
     if live:
         table["live"] = True
+    if dist_env is not None:
+        table["dist_env"] = dist_env
     return table
 
 

@@ -301,8 +301,45 @@ def one_gpu_layout(environ: Mapping[str, str], local_rank: int, local_world_size
             "device from ck.init()'s ctx.device or cuda:LOCAL_RANK % torch.cuda.device_count()")
 
 
-def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str]) -> Any:
-    """Detect this rank, export the torchrun variables (and Horovod's), return the DistEnv."""
+def dist_env_choice(spec: Any, environ: Mapping[str, str]) -> str:
+    """What this rank sees of torchrun's variables: ``script.dist_env`` of the run's spec, else
+    ``CYCLONE_DIST_ENV`` (a shim started without a run directory), else ``auto`` (pure)."""
+    chosen = getattr(getattr(spec, "script", None), "dist_env", "") or environ.get("CYCLONE_DIST_ENV", "") or "auto"
+    return chosen if chosen in ("auto", "torchrun") else "auto"
+
+
+def exports_torchrun_variables(env: Any, dist_env: str) -> bool:
+    """Whether this rank is given torchrun's variables (pure): the rule of ``script.dist_env``.
+
+    torchrun sets them for every worker, also under ``--nproc 1``; ``python SCRIPT`` sets none;
+    srun sets only Slurm's. ``auto`` gives them to every rank of a world of two or more (the
+    scripts written for torchrun find their ranks), and none to a world of one, so a script that
+    branches on them (nanoGPT: ``ddp = int(os.environ.get('RANK', -1)) != -1``) takes the path
+    it takes under ``python SCRIPT``; real torchrun's own variables are never taken away.
+    ``torchrun`` gives them to a world of one too, as ``torchrun --nproc 1``.
+    """
+    return dist_env == "torchrun" or env.world_size > 1 or env.launcher == "torchrun"
+
+
+def missing_variable_hint(exc: BaseException, world_size: int, dist_env: str) -> str:
+    """The HINT for a world of one whose script failed reading a torchrun variable it was not given ('' else; pure)."""
+    name = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
+    if world_size != 1 or dist_env != "auto" or name not in TORCHRUN_VARIABLES:
+        return ""
+    return (f"a world of one gets no {name}, as under `python SCRIPT` (torchrun sets it even with --nproc 1). "
+            "HINT: pass --dist-env torchrun (dist_env = \"torchrun\" in [script]) to give every rank "
+            "torchrun's variables, a world of one too")
+
+
+def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str], dist_env: str = "auto") -> Any:
+    """Detect this rank, export the torchrun variables (and Horovod's), return the DistEnv.
+
+    A world of one under ``dist_env="auto"`` gets none of them (:func:`exports_torchrun_variables`):
+    those the launcher set (``MASTER_ADDR``, ``MASTER_PORT``) are taken out of ``environ`` and held
+    by :func:`cyclone_kit.runtime.pgcheck.hold_world_of_one`, which hands them back the moment the
+    script starts a process group from the environment anyway (``init_process_group(init_method=
+    "env://")``: a world of one, as ``torchrun --nproc 1`` would give it).
+    """
     from cyclone_kit.runtime.env import detect
 
     env = detect(environ)
@@ -314,11 +351,16 @@ def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str]) -> 
         with socket.socket() as s:  # alone on this host: any free port, not a fixed default
             s.bind(("127.0.0.1", 0))
             variables["MASTER_PORT"] = str(s.getsockname()[1])
-    environ.update(variables)
-    # who really started the ranks (detection inside the script now says torchrun): for ck's records
-    environ.setdefault("CYCLONE_LAUNCHER", env.launcher)
     from cyclone_kit.runtime import pgcheck
 
+    if exports_torchrun_variables(env, dist_env):
+        environ.update(variables)
+    else:  # a world of one, as `python SCRIPT` sees it (see exports_torchrun_variables)
+        for name in TORCHRUN_VARIABLES:
+            environ.pop(name, None)
+        pgcheck.hold_world_of_one(variables)
+    # who really started the ranks (detection inside the script now says torchrun): for ck's records
+    environ.setdefault("CYCLONE_LAUNCHER", env.launcher)
     # a bare accelerate.Accelerator() joins the ranks on a node without GPUs only with this
     pgcheck.cpu_accelerate_default(environ, pgcheck.gpus_present())
     if shim.horovod:
@@ -421,8 +463,10 @@ def _run(shim: ShimArgs) -> int:
     if run_dir is not None:
         os.environ["CYCLONE_RUN_DIR"] = str(run_dir)
     rank, host = watchdog_rank(), socket.gethostname()
+    spec = _load_spec(run_dir)
+    dist_env = dist_env_choice(spec, os.environ)
     try:
-        env = prepare_rank(shim, os.environ)
+        env = prepare_rank(shim, os.environ, dist_env)
     except CycloneError as e:
         sys.stderr.write(f"error: [rank {rank}] {e}\n")
         _record_error(run_dir, rank, host, e)
@@ -432,7 +476,6 @@ def _run(shim: ShimArgs) -> int:
         _record_error(run_dir, rank, host, e)
         return 1
     rank, host = env.rank, env.host or host
-    spec = _load_spec(run_dir)
     main_rank = env.rank == 0 and run_dir is not None
     start = start_record(env, shim, spec, _utc_now())
     metrics = RunDir(run_dir).metrics if run_dir is not None else None
@@ -479,6 +522,9 @@ def _run(shim: ShimArgs) -> int:
         else:
             sys.stderr.write(f"cyclone_kit: rank {rank} failed in {shim.target}:\n")
         sys.excepthook(type(e), e, e.__traceback__)  # as for any uncaught exception (ck's hook records it too)
+        hint = missing_variable_hint(e, env.world_size, dist_env)
+        if hint:
+            _say(hint)
         _record_error(run_dir, rank, host, e)
     scriptwatch.stop()  # a no-op when it was not armed
     wall = time.monotonic() - started

@@ -15,6 +15,12 @@ collectives run on the groups (their sequence numbers, which every collective ad
 before they are forgotten. Nothing is imported that the script does not import itself. At the
 end, :func:`formed_world` and :func:`collectives` say what was seen (also from groups still
 alive) and :func:`verdict` the one line the end record, ``status`` and the report use.
+
+A world of one is launched as ``python SCRIPT`` (no RANK, WORLD_SIZE, MASTER_ADDR ...; see
+``cyclone_kit.runtime.launch.exports_torchrun_variables``): the shim hands the variables it kept
+back to :func:`hold_world_of_one`, and the wrapped ``init_process_group`` sets them just before a
+call that reads them from the environment (``init_method`` unset or ``env://``, no ``store``), so a
+script that forms its group unconditionally still gets a world of one, as under ``torchrun --nproc 1``.
 Stdlib only.
 """
 
@@ -31,6 +37,8 @@ from typing import Any
 _SEEN: list[int] = []
 #: Collectives run on this rank's groups, noted when they were destroyed.
 _COLLECTIVES: list[int] = []
+#: The torchrun variables a world of one was not given, for an init_process_group that reads them (see the doc).
+_HELD: dict[str, str] = {}
 #: Marks a wrapper installed here (never wrapped twice).
 _MARK = "_cyclone_kit_watched"
 
@@ -72,10 +80,35 @@ def cpu_accelerate_default(environ: MutableMapping[str, str], gpus: bool) -> boo
     return True
 
 
-def _noted(original: Callable[..., Any], world: Callable[[], int]) -> Callable[..., Any]:
-    """``original`` that notes ``world()`` after it returned."""
+def hold_world_of_one(variables: Mapping[str, str]) -> None:
+    """Keep a world of one's torchrun variables for an ``init_process_group`` that reads the environment."""
+    _HELD.clear()
+    _HELD.update(variables)
+
+
+def reads_environment(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``init_process_group(*args, **kwargs)`` takes its rendezvous from the environment (pure)."""
+    init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+    store = kwargs.get("store", args[5] if len(args) > 5 else None)
+    return store is None and init_method in (None, "env://")
+
+
+def _give_held(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Set the held variables (those not set since) before a process group that reads them forms."""
+    if _HELD and reads_environment(args, kwargs):
+        import os
+
+        for name, value in _HELD.items():
+            os.environ.setdefault(name, value)
+        _HELD.clear()
+
+
+def _noted(original: Callable[..., Any], world: Callable[[], int], *, torch: bool = False) -> Callable[..., Any]:
+    """``original`` that notes ``world()`` after it returned (torch's: gives the held variables first)."""
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if torch:
+            _give_held(args, kwargs)
         result = original(*args, **kwargs)
         with contextlib.suppress(Exception):
             _SEEN.append(int(world()))
@@ -121,7 +154,7 @@ def _before_destroy(original: Callable[..., Any], dist: Any) -> Callable[..., An
 def _patch_torch(module: Any) -> None:
     original = getattr(module, "init_process_group", None)
     if original is not None and not getattr(original, _MARK, False):
-        _rebind("init_process_group", original, _noted(original, module.get_world_size), "torch")
+        _rebind("init_process_group", original, _noted(original, module.get_world_size, torch=True), "torch")
     destroy = getattr(module, "destroy_process_group", None)
     if destroy is not None and not getattr(destroy, _MARK, False):
         _rebind("destroy_process_group", destroy, _before_destroy(destroy, module), "torch")
