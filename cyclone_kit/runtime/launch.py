@@ -498,6 +498,13 @@ def _run(shim: ShimArgs) -> int:
             _append(RunDir(run_dir).shim, [end])
 
         scriptwatch.arm(run_dir, env, spec.checkpoint, os.environ, stalled)
+    if main_rank:  # stopped by the local launcher (a peer failed): the end record first (see end_on_sigterm)
+        def stopped_end(code: int, error: str) -> None:
+            scriptwatch.stop()
+            _write_end(run_dir, shim, spec, start, metrics_before, code, time.monotonic() - started, error,
+                       pgcheck.formed_world())
+
+        end_on_sigterm(stopped_end, os.environ)
     code, error = 0, None
     try:
         try:
@@ -534,14 +541,53 @@ def _run(shim: ShimArgs) -> int:
         _say(f"warning: {warning} (torch.distributed.init_process_group, ck.init() or hvd.init() joins them; "
              "on CPU nodes accelerate needs ACCELERATE_USE_CPU=1)")
     if main_rank:
-        assert run_dir is not None and metrics is not None
-        status = "completed" if code == 0 else "failed"
-        end = end_record(status, code, wall, _utc_now(), error, process_group_world=formed, warning=warning)
-        _append(RunDir(run_dir).shim, [end])
-        if _size(metrics) == metrics_before:  # the script wrote no metrics: time to solution
-            name = Path(shim.script).stem if shim.script else str(shim.module)
-            _append(metrics, time_to_solution_records(start, end, spec, name))
+        _write_end(run_dir, shim, spec, start, metrics_before, code, wall, error, formed, warning)
     return code
+
+
+def _write_end(run_dir: Path | None, shim: ShimArgs, spec: Any, start: Mapping[str, Any], metrics_before: int,
+               code: int, wall: float, error: str | None, formed: int | None, warning: str = "") -> None:
+    """Rank 0's end record, and the time-to-solution pair when the script wrote no metrics."""
+    assert run_dir is not None
+    status = "completed" if code == 0 else "failed"
+    end = end_record(status, code, wall, _utc_now(), error, process_group_world=formed, warning=warning)
+    _append(RunDir(run_dir).shim, [end])
+    metrics = RunDir(run_dir).metrics
+    if _size(metrics) == metrics_before:  # the script wrote no metrics: time to solution
+        name = Path(shim.script).stem if shim.script else str(shim.module)
+        _append(metrics, time_to_solution_records(start, end, spec, name))
+
+
+def end_on_sigterm(write_end: Any, environ: Mapping[str, str]) -> bool:
+    """Under the local launcher, let rank 0 write its end record when it is stopped (SIGTERM); True: installed.
+
+    The local launcher stops the other ranks when one fails (SIGTERM, SIGKILL after a grace
+    period); a rank waiting on the failed peer would otherwise die of the SIGTERM before its end
+    record. The handler writes it (``failed``, exit code 143, "stopped by SIGTERM": no error
+    record, the root cause is the peer's) and then dies of SIGTERM as before, so the rank's exit
+    status is unchanged. Installed only where SIGTERM has its default action (a script's own
+    handler, ``ck.stop_requested()``'s or Lightning's, replaces it) and only under the local
+    launcher: under Slurm the watchdog (:mod:`cyclone_kit.runtime.watchdog`) records a death by
+    signal, and Lightning's auto-requeue, which lets a SIGTERM pass, chains to the handler it found.
+    """
+    import signal
+
+    if environ.get("CYCLONE_LAUNCHER") != "local" or signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return False
+
+    def stopped(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            write_end(128 + signum, "stopped by SIGTERM (the launcher stopped the run)")
+        except Exception as e:  # dying as the signal says matters more than the record
+            _say(f"could not write the end record: {e}")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stopped)
+    return True
 
 
 def watchdog_rank() -> int:

@@ -65,3 +65,37 @@ def test_a_one_task_run_of_a_script_that_always_forms_a_group_gets_a_world_of_on
     assert "plain_ddp: rank 0 of 1" in (run_dir / "logs" / "rank-0.out").read_text()
     end = _records(run_dir / "shim.jsonl")[-1]
     assert end["status"] == "completed" and end["process_group_world"] == 1, end
+
+
+#: Rank 0 waits (for a peer that fails); rank 1 fails once rank 0 is waiting: rank 0 is stopped by the launcher.
+FAILS_ON_RANK_1 = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    rank = int(os.environ["RANK"])
+    ready = Path(sys.argv[1]) / "rank0-waiting"
+    if rank == 0:
+        ready.write_text("1")
+        while True:           # a rank waiting on its peer: it never ends on its own
+            time.sleep(0.05)
+    while not ready.exists():
+        time.sleep(0.05)
+    raise RuntimeError("rank 1 fails")
+""")
+
+
+def test_a_failed_two_rank_run_leaves_rank_0_s_end_record(tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_ON_RANK_1)
+    proc = run_cli("run", str(script), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   "--", str(tmp_path), timeout=TIMEOUT_S)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout + proc.stderr)
+    records = _records(run_dir / "shim.jsonl")
+    assert [r["kind"] for r in records] == ["start", "end"], records
+    end = records[-1]
+    assert end["status"] == "failed" and end["exit_code"] == 143 and "SIGTERM" in end["error"], end
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert "rank 1 fails" in json.dumps(failure), failure  # the root cause stays rank 1's
+    assert not (run_dir / "ranks" / "error-rank-0.json").exists()  # a stopped rank is not a root cause
+    metrics = _records(run_dir / "metrics.jsonl")
+    assert [m["kind"] for m in metrics] == ["start", "end"], metrics
