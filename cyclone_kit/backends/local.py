@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -21,12 +21,15 @@ from cyclone_kit.backends.srun_emulator import GRACE_S, failure_record, format_f
 from cyclone_kit.core.errors import RankFailure, ValidationError
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.entry import rank_argv
-from cyclone_kit.rundir.layout import RunDir
+from cyclone_kit.rundir.layout import RunDir, last_end_record
 
 if TYPE_CHECKING:
     from cyclone_kit.slurm.parse import JobInfo
 
-__all__ = ["LocalBackend", "local_job", "run_dir_status"]
+__all__ = ["NO_JOB_ID", "LocalBackend", "launch_facts", "local_job", "run_dir_status"]
+
+#: What ``status`` shows as a local run's job id: no scheduler gave it one.
+NO_JOB_ID = "-"
 
 
 class LocalBackend:
@@ -71,8 +74,12 @@ class LocalBackend:
         return JobHandle(result.job_id, self.name, rd.path)
 
     def status(self, job: str) -> JobInfo:
-        """What the run directory says: a foreground run has ended by the time anyone asks."""
-        return run_dir_status(str(job), getattr(job, "run_dir", None))
+        """What the run directory says: a foreground run has ended by the time anyone asks.
+
+        Its job id is :data:`NO_JOB_ID`: no scheduler gave one (the ranks' ``SLURM_JOB_ID`` is the
+        launcher's own, for the srun-like environment only).
+        """
+        return dataclasses.replace(run_dir_status(str(job), getattr(job, "run_dir", None)), job_id=NO_JOB_ID)
 
     def status_many(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
         """:meth:`status` of each job (run directories only: nothing to ask)."""
@@ -93,7 +100,12 @@ class LocalBackend:
 
 
 def run_dir_status(job_id: str, run_dir: Path | None) -> JobInfo:
-    """The state of a foreground run that has ended, from its run directory's records."""
+    """The state of a foreground run that has ended, from its run directory's records.
+
+    What the local launcher recorded (``launch.json``) fills in what a scheduler would say: the
+    nodes (the pretend nodes' hosts), the wall time of the launch (else rank 0's shim end record's),
+    and, as the reason, the ranks and their hosts (``2 ranks on localhost``).
+    """
     from cyclone_kit.slurm.parse import JobInfo
     from cyclone_kit.slurm.states import JobState
 
@@ -104,7 +116,25 @@ def run_dir_status(job_id: str, run_dir: Path | None) -> JobInfo:
              "failed": JobState.FAILED}.get(
         end or "", JobState.FAILED if cause else JobState.UNKNOWN)
     name = str(rd.read_spec().get("name", rd.path.name)) if rd is not None else ""
-    return JobInfo(job_id, name, state, 0, "", 0, "", None, None)
+    nodes, nodelist, elapsed, reason = launch_facts(rd.read_launch() if rd is not None else None,
+                                                    last_end_record(rd.shim) if rd is not None else None)
+    return JobInfo(job_id, name, state, nodes, nodelist, elapsed, reason, None, None, source="local")
+
+
+def launch_facts(launch: Mapping[str, Any] | None, shim_end: Mapping[str, Any] | None) -> tuple[int, str, int, str]:
+    """(nodes, nodelist, elapsed seconds, ``N ranks on HOSTS``) of a local launch from its records (pure).
+
+    Unknown parts are 0 or ''. The wall time is ``launch.json``'s (every rank ended), else rank 0's.
+    """
+    ranks = [r for r in (launch or {}).get("ranks") or [] if isinstance(r, dict)]
+    hosts = list(dict.fromkeys(str(r.get("host")) for r in ranks if r.get("host")))
+    wall = (launch or {}).get("wall_time_s")
+    if not isinstance(wall, (int, float)):
+        wall = (shim_end or {}).get("wall_time_s")
+    elapsed = max(1, round(wall)) if isinstance(wall, (int, float)) and wall >= 0 else 0
+    nodelist = str((launch or {}).get("nodelist") or ",".join(hosts))
+    reason = f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''} on {', '.join(hosts)}" if ranks and hosts else ""
+    return len(hosts), nodelist, elapsed, reason
 
 
 def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None) -> Any:

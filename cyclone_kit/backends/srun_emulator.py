@@ -407,6 +407,7 @@ def launch(
         stop_s=None if stop_began is None else max(e.elapsed_s for e in exits.values()) - (stop_began - started),
         stderr_tails=tuple(tuple(p.tail()) for p in pumps),
     )
+    _record_wall_time(run_dir, result.wall_time_s)
     if not result.ok:
         try:
             failures.write_failure(run_dir, failure_record(result))
@@ -513,6 +514,16 @@ def _process_groups() -> list[tuple[int, int]]:
         if len(fields) > 2 and fields[0] != "Z":
             out.append((int(entry.name), int(fields[2])))
     return out
+
+
+def _record_wall_time(run_dir: Path, wall_time_s: float) -> None:
+    """Add the launch's wall time to ``launch.json`` once every rank has ended (``status``'s ELAPSED)."""
+    rd = RunDir(run_dir)
+    doc = rd.read_launch()
+    if doc is None:  # no rank started
+        return
+    with contextlib.suppress(OSError):  # a full disk: status shows no wall time, the run's result stands
+        rd.write_launch({**doc, "wall_time_s": round(wall_time_s, 3)})
 
 
 def _write_launch_record(

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cyclone_kit.backends.lookup import JobRow
 
 EXIT_CODES = ("exit codes: 0 no job shown has failed (pending, running, completed, cancelled); "
               "1 a job shown has failed (FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, or a recorded root cause); "
@@ -53,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
         runs = found
     for row in rows:
         if row.root_cause:
-            print(f"root cause ({row.job_id} {row.name}): {row.root_cause}")
+            print(f"root cause ({_who(row)}): {row.root_cause}")
         for warning in row.warnings:
-            print(f"warning ({row.job_id} {row.name}): {warning}")
+            print(f"warning ({_who(row)}): {warning}")
     header = ["JOBID", "NAME", "STATE", "NODES", "ELAPSED", "REASON"]
     table = [header, *(r.cells() for r in rows)]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
@@ -63,15 +67,20 @@ def run(args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     for row in rows:
         if row.history:
-            print(f"{row.job_id} {row.name}: {row.history}")
+            print(f"{_who(row)}: {row.history}")
         if row.note:
             print(row.note)
     _script_warnings(runs)
     failed = [r for r in rows if r.failed]
     if failed:
-        print(f"{len(failed)} of {len(rows)} job(s) failed: {', '.join(f'{r.job_id} ({r.state.value})' for r in failed)}")
+        print(f"{len(failed)} of {len(rows)} job(s) failed: {', '.join(f'{_who(r)} ({r.state.value})' for r in failed)}")
         return 1
     return 0
+
+
+def _who(row: JobRow) -> str:
+    """``JOBID NAME``, or the name alone for a job no scheduler gave an id (a local run: ``-``)."""
+    return row.name if row.job_id in ("-", "") else f"{row.job_id} {row.name}"
 
 
 def _run_dirs(kind: str, path: Path | None) -> list[Path]:

@@ -99,3 +99,24 @@ def test_a_failed_two_rank_run_leaves_rank_0_s_end_record(tmp_path: Path) -> Non
     assert not (run_dir / "ranks" / "error-rank-0.json").exists()  # a stopped rank is not a root cause
     metrics = _records(run_dir / "metrics.jsonl")
     assert [m["kind"] for m in metrics] == ["start", "end"], metrics
+
+
+def test_status_of_a_local_run_shows_its_ranks_hosts_and_wall_time_and_no_invented_job_id(tmp_path: Path) -> None:
+    script = tmp_path / "two.py"
+    script.write_text("print('done')\n")
+    proc = run_cli("run", str(script), "--nproc", "2", "--nodes", "2", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    invented = (run_dir / "job_id").read_text().strip()  # the ranks' SLURM_JOB_ID: the launcher's own
+    wall = json.loads((run_dir / "launch.json").read_text())["wall_time_s"]
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert invented not in status.stdout, status.stdout
+    lines = status.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("JOBID"))
+    row = lines[header + 1].split(None, 5)
+    assert row[:4] == ["-", "two", "COMPLETED", "2"], status.stdout
+    hours, minutes, seconds = (int(x) for x in row[4].split(":"))
+    assert hours * 3600 + minutes * 60 + seconds == max(1, round(wall)), (row, wall)
+    assert row[5] == "2 ranks on 127.0.0.1, 127.0.0.2", status.stdout

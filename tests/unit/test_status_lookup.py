@@ -76,3 +76,18 @@ def test_targets_resolve_runs_studies_report_jobs_and_bare_ids(tmp_path):
         lookup.resolve_target(str(tmp_path / "nope"), tmp_path)
     sources = lookup.log_sources(lookup.resolve_target(str(study.path), tmp_path))
     assert [s.label for s in sources] == ["run p1", "run p2", f"report of {study.path.name}"]
+
+
+@pytest.mark.parametrize(("launch", "shim_end", "facts"), [
+    ({"nodelist": "localhost", "wall_time_s": 12.4, "ranks": [{"rank": 0, "host": "localhost"},
+                                                               {"rank": 1, "host": "localhost"}]},
+     None, (1, "localhost", 12, "2 ranks on localhost")),
+    ({"nodelist": "127.0.0.[1-2]", "ranks": [{"rank": 0, "host": "127.0.0.1"}, {"rank": 1, "host": "127.0.0.2"}]},
+     {"wall_time_s": 0.3}, (2, "127.0.0.[1-2]", 1, "2 ranks on 127.0.0.1, 127.0.0.2")),  # rank 0's wall time
+    ({"ranks": [{"rank": 0, "host": "localhost"}]}, None, (1, "localhost", 0, "1 rank on localhost")),
+    (None, None, (0, "", 0, "")),
+])
+def test_launch_facts_of_a_local_run(launch: dict | None, shim_end: dict | None, facts: tuple) -> None:
+    from cyclone_kit.backends.local import launch_facts
+
+    assert launch_facts(launch, shim_end) == facts
