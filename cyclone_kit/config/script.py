@@ -11,7 +11,8 @@ What runs is what was submitted: the run directory keeps a **snapshot** (:data:`
 script and of every file it can import from its folder (:func:`importable_files`: the ``*.py``
 files beside it and its packages, the folders there with an ``__init__.py``, whole), and every
 segment of the job, requeues included, runs that snapshot (``sys.path[0]`` is the snapshot's
-folder, as it would be the script's folder for ``python SCRIPT``). ``spec.json`` records the
+folder, as it would be the script's folder for ``python SCRIPT``, while ``__file__`` and
+``sys.argv[0]`` stay the script's own path: ``cyclone_kit.runtime.launch.run_script``). ``spec.json`` records the
 script's SHA-256, which is the snapshot's. More than :data:`SNAPSHOT_MAX_FILES` files or
 :data:`SNAPSHOT_MAX_BYTES` bytes is refused with a HINT (move the script into a folder of its
 own, or ``--live-code``). With ``script.live`` (``--live-code``) only a copy for the record is

@@ -20,7 +20,9 @@ front of the script). On this rank it:
 5. keeps the job's time-limit warning signal (``checkpoint.signal``, USR2) from killing a script
    that does not handle it (:func:`note_requeue_signal`);
 6. runs the script **in this process** (:func:`runpy.run_path` / :func:`runpy.run_module`, as
-   ``python SCRIPT`` / ``python -m MODULE`` would, with ``sys.argv = [SCRIPT, *ARGS]``).
+   ``python SCRIPT`` / ``python -m MODULE`` would, with ``sys.argv = [SCRIPT, *ARGS]``); a run
+   directory's snapshot of the script runs with ``__file__`` and ``sys.argv[0]`` the submitted
+   file's own path (:func:`run_script`), so paths built from them mean what they mean there.
 
 Why in-process rather than a child process or ``exec``: the script *is* the rank process, so
 srun's, scancel's and the local launcher's signals reach it directly with nothing to forward
@@ -397,19 +399,60 @@ def note_requeue_signal(spec: Any) -> int | None:
     return signum
 
 
-def run_script(shim: ShimArgs) -> None:
-    """Run the script or module as ``__main__`` in this process (raises what it raises)."""
+def script_location(shim: ShimArgs, spec: Any, run_dir: Path | None) -> str | None:
+    """The script's own path when this rank runs the run directory's snapshot of it, else None (pure).
+
+    That path is what ``__file__`` and ``sys.argv[0]`` are under ``python SCRIPT``, so a script
+    that finds its data next to itself (``os.path.dirname(__file__)``) finds it (see :func:`run_script`).
+    """
+    script = getattr(spec, "script", None)
+    if shim.script is None or run_dir is None or script is None or not script.path or script.live:
+        return None
+    snapshot = RunDir(run_dir).user_script_copy(Path(script.path).name)
+    return script.path if os.path.abspath(shim.script) == os.path.abspath(snapshot) else None
+
+
+def run_script(shim: ShimArgs, location: str | None = None) -> None:
+    """Run the script or module as ``__main__`` in this process (raises what it raises).
+
+    With ``location`` (:func:`script_location`), the file run is the snapshot, but the script sees
+    itself where it was submitted from: ``__file__`` and ``sys.argv[0]`` are ``location``, as under
+    ``python SCRIPT``, while ``sys.path[0]`` is the snapshot's folder, so the modules it imports
+    from beside it are the snapshot's too (what runs is what was submitted). Tracebacks name the
+    snapshot's file, whose lines are the ones that ran.
+    """
     import runpy
 
     if shim.module is not None:
         sys.argv = [shim.module, *shim.args]
         runpy.run_module(shim.module, run_name="__main__", alter_sys=True)
-    else:
-        assert shim.script is not None
-        sys.argv = [shim.script, *shim.args]
-        # python SCRIPT puts the script's folder first on sys.path (sibling imports)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(shim.script)))
+        return
+    assert shim.script is not None
+    sys.argv = [location or shim.script, *shim.args]
+    # python SCRIPT puts the script's folder first on sys.path (sibling imports): the snapshot's
+    sys.path.insert(0, os.path.dirname(os.path.abspath(shim.script)))
+    if location is None:
         runpy.run_path(shim.script, run_name="__main__")
+    else:
+        _exec_as_main(shim.script, location)
+
+
+def _exec_as_main(code_path: str, file: str) -> None:
+    """Execute ``code_path``'s source as ``__main__`` with ``__file__ = file`` (runpy.run_path cannot)."""
+    import builtins
+    import types
+
+    code = compile(Path(code_path).read_bytes(), code_path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=file, __cached__=None, __loader__=None, __spec__=None, __package__=None,
+                         __builtins__=builtins)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def whole_lines(stream: Any) -> None:
@@ -508,7 +551,7 @@ def _run(shim: ShimArgs) -> int:
     code, error = 0, None
     try:
         try:
-            run_script(shim)
+            run_script(shim, script_location(shim, spec, run_dir))
         except BaseException:
             from cyclone_kit.runtime.progress import park_if_stalling
 

@@ -120,3 +120,54 @@ def test_status_of_a_local_run_shows_its_ranks_hosts_and_wall_time_and_no_invent
     hours, minutes, seconds = (int(x) for x in row[4].split(":"))
     assert hours * 3600 + minutes * 60 + seconds == max(1, round(wall)), (row, wall)
     assert row[5] == "2 ranks on 127.0.0.1, 127.0.0.2", status.stdout
+
+
+#: Lightning's examples find their data from __file__ (backbone_image_classifier.py:
+#: path.join(path.dirname(__file__), "..", "..", "Datasets")); this one also reads sys.argv[0] and a sibling.
+NEXT_TO_ITSELF = textwrap.dedent("""
+    import json, os, sys
+    from os import path
+    import helper
+    data = path.join(path.dirname(__file__), "..", "..", "Datasets", "n.txt")
+    beside = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "config.json")
+    print("seen:" + json.dumps({"file": __file__, "argv0": sys.argv[0], "data": open(data).read(),
+                                "config": json.load(open(beside)), "helper": helper.__file__,
+                                "value": helper.VALUE, "path0": sys.path[0]}))
+""")
+
+
+def test_a_snapshot_keeps_what_the_script_sees_of_its_own_location_several_levels_deep(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    folder = project / "pl_examples" / "domain_templates" / "deep"
+    folder.mkdir(parents=True)
+    (project / "pl_examples" / "Datasets").mkdir()
+    (project / "pl_examples" / "Datasets" / "n.txt").write_text("42")
+    (folder / "config.json").write_text('{"lr": 0.1}')
+    (folder / "helper.py").write_text("VALUE = 'snapshot'\n")
+    script = folder / "train.py"
+    script.write_text(NEXT_TO_ITSELF)
+    work = tmp_path / "work"  # the job runs elsewhere: only __file__ leads to the data
+    work.mkdir()
+    proc = run_cli("run", str(script), "--nproc", "1", "--quiet", "--runs-dir", str(tmp_path / "runs"), cwd=work,
+                   timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    out = (run_dir / "logs" / "rank-0.out").read_text()
+    seen = json.loads(next(line for line in out.splitlines() if line.startswith("seen:"))[5:])
+    assert seen["file"] == str(script) and seen["argv0"] == str(script), seen  # as under python SCRIPT
+    assert seen["data"] == "42" and seen["config"] == {"lr": 0.1}, seen
+    # the code that ran is the snapshot's: its folder is sys.path[0], its siblings are imported from there
+    assert seen["path0"] == str(run_dir / "script") and seen["helper"] == str(run_dir / "script" / "helper.py"), seen
+    assert seen["value"] == "snapshot"
+
+
+def test_a_snapshot_s_traceback_names_the_file_that_ran(tmp_path: Path) -> None:
+    script = tmp_path / "src" / "boom.py"
+    script.parent.mkdir()
+    script.write_text("import os\nassert os.path.dirname(__file__).endswith('src')\nraise ValueError('boom')\n")
+    proc = run_cli("run", str(script), "--nproc", "1", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   timeout=TIMEOUT_S)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout + proc.stderr)
+    err = (run_dir / "logs" / "rank-0.err").read_text()
+    assert f'File "{run_dir / "script" / "boom.py"}", line 3' in err and "ValueError: boom" in err, err

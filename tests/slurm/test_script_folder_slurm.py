@@ -109,7 +109,7 @@ def test_a_script_works_in_its_submit_folder_through_a_requeue_and_a_second_subm
     first = [json.loads((proj / f"out-{seg}-rank{r}.json").read_text()) for seg in (0, 1) for r in (0, 1)]
     print(f"requeued job {job_id}: {first}")
     assert {(o["cwd"], o["version"], o["file"]) for o in first} == {
-        (str(proj), 1, str(run_dir / "script" / "train.py"))}
+        (str(proj), 1, str(proj / "train.py"))}  # the snapshot ran (VERSION 1), __file__ is the script's own
     assert {o["host"] for o in first} == {"c1", "c2"}
     assert (proj / "ckpt.pt").read_text() == "10"  # the requeued segment resumed from the first one's checkpoint
     assert not (run_dir / "ckpt.pt").exists() and not (run_dir / "failure.json").exists()
