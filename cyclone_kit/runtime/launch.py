@@ -310,17 +310,59 @@ def dist_env_choice(spec: Any, environ: Mapping[str, str]) -> str:
     return chosen if chosen in ("auto", "torchrun") else "auto"
 
 
-def exports_torchrun_variables(env: Any, dist_env: str) -> bool:
+def exports_torchrun_variables(env: Any, dist_env: str, requires: bool = False) -> bool:
     """Whether this rank is given torchrun's variables (pure): the rule of ``script.dist_env``.
 
     torchrun sets them for every worker, also under ``--nproc 1``; ``python SCRIPT`` sets none;
     srun sets only Slurm's. ``auto`` gives them to every rank of a world of two or more (the
     scripts written for torchrun find their ranks), and none to a world of one, so a script that
     branches on them (nanoGPT: ``ddp = int(os.environ.get('RANK', -1)) != -1``) takes the path
-    it takes under ``python SCRIPT``; real torchrun's own variables are never taken away.
-    ``torchrun`` gives them to a world of one too, as ``torchrun --nproc 1``.
+    it takes under ``python SCRIPT``; but a script that cannot run without them (``requires``:
+    :func:`requires_torchrun_variables`, e.g. pytorch/examples' ``int(os.environ["LOCAL_RANK"])``)
+    is a torchrun script and gets them at a world of one too. Real torchrun's own variables are
+    never taken away. ``torchrun`` gives them to a world of one always, as ``torchrun --nproc 1``.
     """
-    return dist_env == "torchrun" or env.world_size > 1 or env.launcher == "torchrun"
+    return dist_env == "torchrun" or env.world_size > 1 or env.launcher == "torchrun" or (dist_env == "auto" and requires)
+
+
+def requires_torchrun_variables(source: str) -> bool:
+    """Whether a script's own source reads a torchrun variable with no default and no guard (pure).
+
+    ``os.environ["RANK"]`` (or ``environ["LOCAL_RANK"]``, any of :data:`TORCHRUN_VARIABLES`) outside
+    any ``if``/``try``/``while`` fails without torchrun, so such a script was written for torchrun only
+    (pytorch/examples' ``ddp_setup()``). A read under a branch (nanoGPT's ``if ddp:`` after
+    ``os.environ.get('RANK', -1)``, a ``try``/``except KeyError``), ``.get`` and ``in`` are not
+    counted. Source that does not parse: False.
+    """
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+
+    def unguarded_read(node: ast.AST) -> bool:
+        if isinstance(node, (ast.If, ast.IfExp, ast.Try, ast.While)):
+            return False  # a read below a branch is the script's choice, not its need
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            target, key = node.value, node.slice
+            named = (isinstance(target, ast.Attribute) and target.attr == "environ") or \
+                (isinstance(target, ast.Name) and target.id == "environ")
+            if named and isinstance(key, ast.Constant) and key.value in TORCHRUN_VARIABLES:
+                return True
+        return any(unguarded_read(child) for child in ast.iter_child_nodes(node))
+
+    return unguarded_read(tree)
+
+
+def _script_requires_variables(shim: ShimArgs) -> bool:
+    """:func:`requires_torchrun_variables` of the shim's script file (False for ``-m MODULE`` or an unreadable file)."""
+    if shim.script is None:
+        return False
+    try:
+        return requires_torchrun_variables(Path(shim.script).read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return False
 
 
 def missing_variable_hint(exc: BaseException, world_size: int, dist_env: str) -> str:
@@ -355,7 +397,7 @@ def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str], dis
             variables["MASTER_PORT"] = str(s.getsockname()[1])
     from cyclone_kit.runtime import pgcheck
 
-    if exports_torchrun_variables(env, dist_env):
+    if exports_torchrun_variables(env, dist_env, env.world_size == 1 and _script_requires_variables(shim)):
         environ.update(variables)
     else:  # a world of one, as `python SCRIPT` sees it (see exports_torchrun_variables)
         for name in TORCHRUN_VARIABLES:

@@ -19,6 +19,7 @@ from cyclone_kit.runtime.launch import (
     exports_torchrun_variables,
     missing_variable_hint,
     prepare_rank,
+    requires_torchrun_variables,
 )
 
 SHIM = ShimArgs(None, False, "t.py", None, ())
@@ -103,3 +104,28 @@ def test_a_missing_variable_at_world_one_names_the_choice() -> None:
     assert missing_variable_hint(KeyError("LOCAL_RANK"), 2, "auto") == ""
     assert missing_variable_hint(KeyError("LOCAL_RANK"), 1, "torchrun") == ""
     assert missing_variable_hint(KeyError("HOME"), 1, "auto") == ""
+
+
+@pytest.mark.parametrize(("source", "requires"), [
+    ('import os\ngpu = int(os.environ["LOCAL_RANK"])\n', True),              # pytorch/examples' multigpu_torchrun.py
+    ('from os import environ\nrank = int(environ["RANK"])\n', True),
+    ("import os\nddp = int(os.environ.get('RANK', -1)) != -1\nif ddp:\n    r = int(os.environ['RANK'])\n", False),  # nanoGPT
+    ('import os\ntry:\n    r = os.environ["RANK"]\nexcept KeyError:\n    r = 0\n', False),
+    ('import os\ndef setup():\n    return int(os.environ["LOCAL_RANK"])\n', True),   # in a function: still a need
+    ('import os\nif "RANK" in os.environ:\n    pass\n', False),              # torchvision's references
+    ('import os\nos.environ["RANK"] = "0"\n', False),                         # a write is no read
+    ('import os\nx = os.environ["HOME"]\n', False),
+    ("def broken(:\n", False),
+])
+def test_a_script_that_reads_a_torchrun_variable_with_no_default_requires_them(source: str, requires: bool) -> None:
+    assert requires_torchrun_variables(source) is requires
+    assert exports_torchrun_variables(DistEnv(), "auto", requires) is requires  # a world of one then gets them
+
+
+def test_a_one_task_rank_of_a_torchrun_only_script_gets_torchrun_s_variables(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(pgcheck, "_HELD", {})
+    script = tmp_path / "t.py"
+    script.write_text('import os\nlocal_rank = int(os.environ["LOCAL_RANK"])\n')
+    environ = dict(ONE_TASK)
+    prepare_rank(ShimArgs(None, False, str(script), None, ()), environ, "auto")
+    assert (environ["RANK"], environ["WORLD_SIZE"], environ["LOCAL_RANK"]) == ("0", "1", "0")
