@@ -355,14 +355,36 @@ def requires_torchrun_variables(source: str) -> bool:
     return unguarded_read(tree)
 
 
-def _script_requires_variables(shim: ShimArgs) -> bool:
-    """:func:`requires_torchrun_variables` of the shim's script file (False for ``-m MODULE`` or an unreadable file)."""
+def fabric_variables(source: str, env: Any, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables ``fabric run`` gives a Lightning Fabric script, for a script that uses Fabric (pure).
+
+    ``Fabric(devices=N)`` outside ``fabric run`` refuses more than one device until ``.launch()`` is
+    called ("you must call `.launch()` or use the CLI"), and a script written for ``fabric run``
+    never calls it. So: ``LT_DEVICES`` / ``LT_NUM_NODES`` from the launched layout (ranks per node,
+    nodes: the job's layout wins over the script's ``devices=``, as under ``fabric run``), and
+    ``LT_CLI_USED=1`` (processes exist already: ``Fabric()`` sets up the process group itself)
+    only for a script that does not call ``.launch(`` (with it, Fabric refuses a second launch; without
+    ``LT_CLI_USED`` its ``launch()`` finds the ranks started). Variables the user set are kept; a
+    script that does not mention ``Fabric`` gets none.
+    """
+    if "Fabric" not in source or env.world_size < 2:
+        return {}
+    wanted = {"LT_DEVICES": str(env.local_world_size), "LT_NUM_NODES": str(env.num_nodes)}
+    if ".launch(" not in source:
+        wanted["LT_CLI_USED"] = "1"
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def _script_source(shim: ShimArgs) -> str:
+    """The shim's script file's text ('' for ``-m MODULE`` or an unreadable file)."""
     if shim.script is None:
-        return False
+        return ""
     try:
-        return requires_torchrun_variables(Path(shim.script).read_text(encoding="utf-8", errors="replace"))
+        return Path(shim.script).read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return False
+        return ""
+
+
 
 
 def missing_variable_hint(exc: BaseException, world_size: int, dist_env: str) -> str:
@@ -397,7 +419,8 @@ def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str], dis
             variables["MASTER_PORT"] = str(s.getsockname()[1])
     from cyclone_kit.runtime import pgcheck
 
-    if exports_torchrun_variables(env, dist_env, env.world_size == 1 and _script_requires_variables(shim)):
+    source = _script_source(shim)
+    if exports_torchrun_variables(env, dist_env, env.world_size == 1 and requires_torchrun_variables(source)):
         environ.update(variables)
     else:  # a world of one, as `python SCRIPT` sees it (see exports_torchrun_variables)
         for name in TORCHRUN_VARIABLES:
@@ -407,6 +430,7 @@ def prepare_rank(shim: ShimArgs, environ: dict[str, str] | os._Environ[str], dis
     environ.setdefault("CYCLONE_LAUNCHER", env.launcher)
     # a bare accelerate.Accelerator() joins the ranks on a node without GPUs only with this
     pgcheck.cpu_accelerate_default(environ, pgcheck.gpus_present())
+    environ.update(fabric_variables(source, env, environ))  # a Fabric script written for `fabric run`
     if shim.horovod:
         from cyclone_kit.runtime import hvd
 

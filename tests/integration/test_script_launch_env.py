@@ -171,3 +171,38 @@ def test_a_snapshot_s_traceback_names_the_file_that_ran(tmp_path: Path) -> None:
     run_dir = _run_dir(proc.stdout + proc.stderr)
     err = (run_dir / "logs" / "rank-0.err").read_text()
     assert f'File "{run_dir / "script" / "boom.py"}", line 3' in err and "ValueError: boom" in err, err
+
+
+#: A Lightning Fabric script written for `fabric run` (no `.launch()`), and one written for `python` (with it).
+FABRIC = textwrap.dedent("""
+    import torch
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu"{devices})
+    {launch}model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    for _ in range(3):
+        fabric.backward(model(torch.randn(8, 4, device=fabric.device)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    print(f"fabric: rank {{fabric.global_rank}} of {{fabric.world_size}} nodes {{fabric.strategy.num_nodes}}", flush=True)
+""")
+
+
+@pytest.mark.parametrize(("devices", "launch", "layout"), [
+    ("", "", ["--nodes", "2", "--nproc", "2"]),                          # fabric run's script, 2 nodes x 1
+    (", devices=2", "fabric.launch()\n", ["--nproc", "2"]),              # a python script that launches itself
+])
+def test_a_lightning_fabric_script_runs_on_many_ranks_unchanged(tmp_path: Path, devices: str, launch: str,
+                                                                layout: list[str]) -> None:
+    pytest.importorskip("lightning.fabric")
+    script = tmp_path / "fab.py"
+    script.write_text(FABRIC.format(devices=devices, launch=launch))
+    proc = run_cli("run", str(script), *layout, "--quiet", "--runs-dir", str(tmp_path / "runs"), timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    lines = sorted(line for rank in (0, 1) for line in (run_dir / "logs" / f"rank-{rank}.out").read_text().splitlines()
+                   if line.startswith("fabric:"))
+    nodes = 2 if "--nodes" in layout else 1
+    assert lines == [f"fabric: rank 0 of 2 nodes {nodes}", f"fabric: rank 1 of 2 nodes {nodes}"], lines

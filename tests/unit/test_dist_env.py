@@ -17,6 +17,7 @@ from cyclone_kit.runtime.launch import (
     ShimArgs,
     dist_env_choice,
     exports_torchrun_variables,
+    fabric_variables,
     missing_variable_hint,
     prepare_rank,
     requires_torchrun_variables,
@@ -129,3 +130,14 @@ def test_a_one_task_rank_of_a_torchrun_only_script_gets_torchrun_s_variables(tmp
     environ = dict(ONE_TASK)
     prepare_rank(ShimArgs(None, False, str(script), None, ()), environ, "auto")
     assert (environ["RANK"], environ["WORLD_SIZE"], environ["LOCAL_RANK"]) == ("0", "1", "0")
+
+
+def test_a_fabric_script_gets_fabric_run_s_variables_and_a_launching_one_no_cli_mark() -> None:
+    two_nodes = DistEnv(world_size=2, local_world_size=1, num_nodes=2)
+    plain = "from lightning.fabric import Fabric\nfabric = Fabric()\n"
+    assert fabric_variables(plain, two_nodes, {}) == {"LT_DEVICES": "1", "LT_NUM_NODES": "2", "LT_CLI_USED": "1"}
+    launching = plain + "fabric.launch()\n"
+    assert fabric_variables(launching, two_nodes, {}) == {"LT_DEVICES": "1", "LT_NUM_NODES": "2"}
+    assert fabric_variables(plain, two_nodes, {"LT_DEVICES": "4"}) == {"LT_NUM_NODES": "2", "LT_CLI_USED": "1"}
+    assert fabric_variables("import torch\n", two_nodes, {}) == {}  # no Fabric: nothing
+    assert fabric_variables(plain, DistEnv(), {}) == {}              # a world of one: as python SCRIPT
