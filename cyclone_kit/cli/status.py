@@ -73,9 +73,14 @@ def run(args: argparse.Namespace) -> int:
     _script_warnings(runs)
     failed = [r for r in rows if r.failed]
     if failed:
-        print(f"{len(failed)} of {len(rows)} job(s) failed: {', '.join(f'{_who(r)} ({r.state.value})' for r in failed)}")
+        print(f"{len(failed)} of {len(rows)} job(s) failed: {', '.join(f'{_id(r)} ({r.state.value})' for r in failed)}")
         return 1
     return 0
+
+
+def _id(row: JobRow) -> str:
+    """The job id a scheduler gave, or the name for a job without one (a local run: ``-``)."""
+    return row.name if row.job_id in ("-", "") else row.job_id
 
 
 def _who(row: JobRow) -> str:
