@@ -48,8 +48,8 @@ unit: setup
 	$(PY) -m pytest -q tests/unit
 
 # As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,EXTRAS,DATA}=1 turn their skips into
-# failures (tests/conftest.py). scripts/run-tests.sh runs the Slurm tier (it mostly waits on the scheduler), then
-# the unit tier, beside the integration tier, and prints each tier's log whole, with what was skipped and why.
+# failures (tests/conftest.py). scripts/run-tests.sh runs the integration tier, then the Slurm tier beside the unit
+# tier (the two big tiers side by side ran 2x slower each), and prints each tier's log whole, with what was skipped.
 test: setup data slurm-up horovod
 	$(PY) -m ruff check .
 	REQ=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0); \
