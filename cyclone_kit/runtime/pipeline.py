@@ -255,6 +255,12 @@ def build_schedule(lay: Layout, stages: list[Any], loss_fn: Callable[..., torch.
     return cls(stages[0], lay.microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+def input_format(channels_last: bool, sample_shape: Sequence[int]) -> torch.memory_format:
+    """The memory layout the batches reach stage 0 in (pure): NHWC for images under
+    ``channels_last`` (the data loader's), else contiguous. ``sample_shape``: one sample's (C, H, W)."""
+    return torch.channels_last if channels_last and len(sample_shape) == 3 else torch.contiguous_format
+
+
 def stage_shapes(blocks: Sequence[split.Block], cuts: Sequence[int], sample: torch.Tensor) -> list[tuple[int, ...]]:
     """The per-sample shape of every stage's input, and last the output's, from a forward of
     ``sample`` (batch 1, eval mode, no gradients: nothing changes)."""
@@ -348,6 +354,12 @@ class _Pipe:
     has_first: bool
     has_last: bool
     param_order: list[str]
+    input_format: torch.memory_format  # the layout of stage 0's declared input, that batches are sent in
+
+    def first_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch ``x`` in stage 0's declared layout (a no-op for the loader's batches; a padded
+        validation batch comes out of ``torch.cat`` contiguous)."""
+        return x.contiguous(memory_format=self.input_format)
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -379,6 +391,10 @@ def _build(session: Session, lay: Layout, tc: Any, info: Any, found: Any, dev: t
     timed, clock = _timed_stage_class(), Clock(dev)
     modules, stages = [], []
     act = dtype or torch.float32
+    # Stage 0 is fed the loader's batches: NHWC under channels_last. torch checks every input's
+    # strides against the declared buffer (always under TORCH_DISTRIBUTED_DEBUG=DETAIL), so the
+    # buffer is declared in that layout; later stages receive contiguous activations (StageModule).
+    fmt = input_format(channels_last, shapes[0])
     for s in lay.stage_indices(session.env.rank):
         last = s == lay.num_stages - 1
         module = StageModule(blocks[bal.cuts[s]:bal.cuts[s + 1]], device_type=dev.type, dtype=dtype,
@@ -386,6 +402,7 @@ def _build(session: Session, lay: Layout, tc: Any, info: Any, found: Any, dev: t
         if channels_last:
             module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         inp = torch.empty((mb, *shapes[s]), device=dev, dtype=torch.float32 if s == 0 else act)
+        inp = inp.contiguous(memory_format=fmt) if s == 0 else inp
         out = torch.empty((mb, *shapes[s + 1]), device=dev, dtype=act)
         stage = timed(module, s, lay.num_stages, dev, input_args=(inp.requires_grad_(s > 0),),
                       output_args=(out.requires_grad_(),), group=pp_group)
@@ -401,7 +418,7 @@ def _build(session: Session, lay: Layout, tc: Any, info: Any, found: Any, dev: t
 
     return _Pipe(lay, bal, modules, build_schedule(lay, stages, loss_fn), clock, weight, pp_group, dp_group,
                  has_first=any(st.is_first for st in stages), has_last=any(st.is_last for st in stages),
-                 param_order=order)
+                 param_order=order, input_format=fmt)
 
 
 def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
@@ -483,6 +500,7 @@ class _Loop:
         for _ in range(accum):
             t0 = time.perf_counter()
             x, y = next(batches)
+            x = pipe.first_input(x) if pipe.has_first else x
             window["data_s"] += time.perf_counter() - t0
             losses: list[torch.Tensor] = []
             start = pipe.clock.mark()
@@ -589,6 +607,7 @@ class _Loop:
             if n < batch:
                 x = torch.cat([x, x.new_zeros((batch - n, *x.shape[1:]))])
                 y = torch.cat([y, y.new_zeros(batch - n)])
+            x = pipe.first_input(x) if pipe.has_first else x
             out = pipe.schedule.eval(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
             if pipe.has_last and out is not None:
                 counts[0] += (out[:n].argmax(1) == y[:n]).sum()

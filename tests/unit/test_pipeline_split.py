@@ -19,7 +19,7 @@ from cyclone_kit.analysis.pipeline import ideal_bubble, pipeline_summary, sectio
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.runtime import pipeline_split as ps
 from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.pipeline import layout
+from cyclone_kit.runtime.pipeline import input_format, layout
 
 
 def _brute_force_bottleneck(times: list[float], stages: int) -> float:
@@ -75,6 +75,13 @@ def test_layout_is_stages_by_replicas_and_refuses_what_cannot_run() -> None:
         with pytest.raises(ValidationError, match=match) as err:
             layout(*args)
         assert err.value.hint
+
+
+def test_stage_0_declares_its_input_in_the_layout_the_loader_sends() -> None:
+    """Issue 28 bug 3: NHWC images under channels_last (the loader's batches), contiguous otherwise."""
+    assert input_format(True, (3, 32, 32)) == torch.channels_last
+    assert input_format(False, (3, 32, 32)) == torch.contiguous_format
+    assert input_format(True, (16,)) == torch.contiguous_format  # no image: nothing to lay out
 
 
 def test_report_figures_of_a_pipeline_run() -> None:

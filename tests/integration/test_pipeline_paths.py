@@ -1,0 +1,104 @@
+"""Pipeline paths of issue 28 on 2 CPU ranks (gloo, 1 thread each): 2 stages of the tiny CNN, 1 replica.
+
+The ranks are real processes of the runtime, started through tests/helpers/pipeline_rank.py, which
+first makes a condition the CPU cannot make by itself (channels_last batches, a counted stage clock,
+a shard write slower than the stall bound); every wait has a timeout and no verdict reads a clock:
+
+* bug 3: channels_last on with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch then checks every stage
+  input's strides against the declared buffer): training and validation run;
+* bug 4: the validation forwards (``schedule.eval``) are not collected by the stage clock as training
+  compute: every log window holds exactly the training step's forward and backward chunks;
+* bug 5: a shard write slower than the progress watchdog's bound is no stall: the run completes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.pipeline_rank import PATCHES_VAR
+from tests.helpers.ranks import REPO, clean_env, finish, free_port, records, write_spec
+
+#: Hang guard of a 2-rank run (not a performance bound): 2 ranks on 2 busy cores, imports included.
+HANG_S = 300
+DRIVER = REPO / "tests" / "helpers" / "pipeline_rank.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * HANG_S)]
+
+#: 2 stages x 1 replica, GPipe over 2 micro-batches of 4; 32 samples = 4 steps an epoch.
+MICROBATCHES = 2
+PIPE = dict(strategy="pipeline", model="tiny_cnn", pipeline_stages=2, pipeline_schedule="gpipe",
+            microbatches=MICROBATCHES, batch_size=8, synthetic_samples=32, warmup_steps=0, log_every=1)
+
+
+def _start(run: Path, world: int, patches: str, **extra_env: str) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**clean_env(), PATCHES_VAR: patches, **extra_env}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(DRIVER), "--run-dir", str(run)], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _run(run: Path, patches: str, **extra_env: str) -> list[tuple[int, str, str]]:
+    results = finish(_start(run, 2, patches, **extra_env), timeout=HANG_S)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
+    return results
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_channels_last_batches_pass_torchs_stride_checks_under_debug_detail(tmp_path: Path) -> None:
+    """Bug 3: stage 0 declared a contiguous input but was fed NHWC batches; under DETAIL torch checks
+    the strides of every stage input (PipeliningMetadataError: stride mismatch). Training and the
+    validation passes (a padded last batch) run, and the stages' first input is NHWC."""
+    run = tmp_path / "nhwc"
+    write_spec(run, steps=6, val_samples=12, channels_last=True, **PIPE)
+    _run(run, "channels_last", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    steps = records(run, "step")
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert all(r["loss"] == r["loss"] for r in steps)  # not NaN
+    assert [e["val_accuracy"] is not None for e in records(run, "epoch")] == [True, True]
+    assert records(run, "end")[-1]["status"] == "completed"
+
+
+def test_validation_forwards_are_not_counted_as_stage_compute(tmp_path: Path) -> None:
+    """Bug 4: the stage clock collected the forwards of ``schedule.eval``, so the window after each
+    validation had inflated compute and no idle time. Counted per log window (one step each), every
+    rank's clock holds exactly one schedule step and its M forward + M backward chunks."""
+    run = tmp_path / "clock"
+    write_spec(run, steps=9, val_samples=16, **PIPE)  # validation after steps 4 and 8, windows 5 and 9 follow
+    _run(run, "clock")
+    assert [e["val_accuracy"] is not None for e in records(run, "epoch")] == [True, True, True]
+    for rank in range(2):
+        windows = _jsonl(run / f"clock-rank-{rank}.jsonl")
+        assert windows[0] == {"computations": 0, "steps": 0}  # the read at the loop's start
+        assert windows[1:] == [{"computations": 2 * MICROBATCHES, "steps": 1}] * 9, f"rank {rank}: {windows}"
+
+
+def test_a_shard_write_slower_than_the_stall_bound_is_no_stall(tmp_path: Path) -> None:
+    """Bug 5: only rank 0's ``.pt`` write was excluded from the progress watchdog; a DCP shard write
+    longer than the bound was taken for a stall (exit 124, failure.json). Here every rank's first
+    shard write (step 5) sleeps twice its armed bound: the run completes, both checkpoints written."""
+    run = tmp_path / "slow-save"
+    write_spec(run, steps=6, checkpoint={"every_steps": 5, "stall_floor_s": 3.0}, **PIPE)
+    _run(run, "slow_save")
+    for rank in range(2):
+        slow = json.loads((run / f"slow-save-rank-{rank}.json").read_text())
+        assert slow["bound_s"] is not None and slow["slept_s"] > slow["bound_s"]  # armed, and slept past it
+    assert not (run / "failure.json").exists()
+    assert records(run, "end")[-1]["status"] == "completed"
+    assert [r["step"] for r in records(run, "step")] == list(range(1, 7))
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert {"ckpt-000000005.pt", "ckpt-000000006.pt", "ckpt-000000005.dcp", "ckpt-000000006.dcp"} <= set(names)
