@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,13 +184,24 @@ class StageModule(nn.Module):
 
 class Clock:
     """Compute time of a stage inside schedule steps: host clock on the CPU, CUDA events on a GPU
-    (read once per log window, when the loss is read anyway)."""
+    (read once per log window, when the loss is read anyway). Forwards outside training steps
+    (the validation's ``schedule.eval``) run under :meth:`paused` and are not collected."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.compute_s, self.total_s = 0.0, 0.0
         self.events: list[tuple[Any, Any]] = []
         self.steps: list[tuple[Any, Any]] = []
+        self.running = True
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A context whose stage computations are no training compute (not timed, not collected)."""
+        was, self.running = self.running, False
+        try:
+            yield
+        finally:
+            self.running = was
 
     def mark(self) -> Any:
         """A point in time: a recorded CUDA event, or the host clock."""
@@ -230,12 +241,16 @@ def _timed_stage_class() -> type:
         clock: Clock
 
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.clock.running:  # a validation forward
+                return super().forward_one_chunk(*args, **kwargs)
             t0 = self.clock.mark()
             out = super().forward_one_chunk(*args, **kwargs)
             self.clock.add(t0, self.clock.mark())
             return out
 
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.clock.running:
+                return super().backward_one_chunk(*args, **kwargs)
             t0 = self.clock.mark()
             out = super().backward_one_chunk(*args, **kwargs)
             self.clock.add(t0, self.clock.mark())
@@ -608,7 +623,8 @@ class _Loop:
                 x = torch.cat([x, x.new_zeros((batch - n, *x.shape[1:]))])
                 y = torch.cat([y, y.new_zeros(batch - n)])
             x = pipe.first_input(x) if pipe.has_first else x
-            out = pipe.schedule.eval(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+            with pipe.clock.paused():  # no training compute: the next window's bubble stays measured
+                out = pipe.schedule.eval(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
             if pipe.has_last and out is not None:
                 counts[0] += (out[:n].argmax(1) == y[:n]).sum()
                 counts[1] += n
