@@ -639,7 +639,13 @@ class _Loop:
 
     # -- checkpoints
     def save(self, step: int, epoch: int) -> None:
-        """Every rank writes its stages' tensors (DCP); rank 0 then the small ``.pt`` naming them."""
+        """Every rank writes its stages' tensors (DCP); rank 0 then the small ``.pt`` naming them.
+        All of it is no step for the progress watchdog (a shard write on a slow shared file
+        system may outlast the stall bound), as the DDP/FSDP engine's whole save."""
+        with self.session.not_a_step():
+            self._write_checkpoint(step, epoch)
+
+    def _write_checkpoint(self, step: int, epoch: int) -> None:
         from cyclone_kit.runtime import checkpoint as ckpt
         from cyclone_kit.runtime import fsdp_ckpt
 
