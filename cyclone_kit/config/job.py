@@ -101,6 +101,7 @@ class TrainConfig:
     pipeline_schedule: str = "gpipe"
     fp16_allreduce: bool = False
     max_nonfinite_steps: int = 0  # stop after this many consecutive steps with a NaN/inf loss (0: never)
+    allow_nonfinite_params: bool = False  # train on when a parameter holds NaN/inf (checked every log_every steps)
 
     def __post_init__(self) -> None:
         check_choice("train.model", self.model, MODELS)

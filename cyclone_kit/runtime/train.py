@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from cyclone_kit.config.job import JobSpec, TrainConfig
-from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.core.errors import TrainingDiverged, ValidationError
 from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
@@ -55,8 +55,8 @@ from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, o
 from cyclone_kit.runtime.signals import NONE, StopFlag
 
 __all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "fsdp_mixed_precision", "gather_hosts", "gather_to_main",
-           "keep_kernel_choice", "make_optimizer", "optimizer_step", "place_model", "strategy_for", "train", "unwrap",
-           "use_fused_sgd", "use_static_graph", "wrap_model"]
+           "keep_kernel_choice", "make_optimizer", "nonfinite_params", "optimizer_step", "params_diverged", "place_model",
+           "seed_momentum", "strategy_for", "train", "unwrap", "use_fused_sgd", "use_static_graph", "wrap_model"]
 
 
 
@@ -96,10 +96,38 @@ def use_fused_sgd(strategy: str, device_kind: str) -> bool:
 
 
 def make_optimizer(model: nn.Module, lr: float, train: TrainConfig, fused: bool) -> torch.optim.Optimizer:
-    """The engine's SGD over ``model``'s parameters (``fused`` per :func:`use_fused_sgd`)."""
+    """The engine's SGD over ``model``'s parameters (``fused`` per :func:`use_fused_sgd`), a fused
+    one with zero momentum buffers already (:func:`seed_momentum`)."""
     extra = {"fused": True} if fused else {}
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=train.momentum, weight_decay=train.weight_decay,
-                           **extra)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=train.momentum,
+                                weight_decay=train.weight_decay, **extra)
+    seed_momentum(optimizer)
+    return optimizer
+
+
+def seed_momentum(optimizer: torch.optim.Optimizer) -> int:
+    """Give every parameter of a fused SGD group with momentum that has no momentum buffer a zero one;
+    returns how many were made. A no-op for plain SGD (and groups without momentum).
+
+    Fused SGD's first step (every buffer None) allocates the buffers with ``torch.empty_like`` and
+    stores them in the state even when the kernel returned at once because GradScaler's
+    ``found_inf`` was set (torch 2.14 torch/optim/sgd.py ``_fused_sgd``, ``is_first_step``): an fp16
+    run whose first step overflows (at the initial scale 2^16, or the first step after a resume
+    without momentum state) then computed ``momentum * garbage + grad``. With zero buffers the
+    kernel never takes the first-step branch, and its ``momentum * 0 + (1 - dampening) * grad`` is
+    plain SGD's first step ``buf = grad`` for the engine's dampening 0. Call it after building the
+    optimizer and after loading a state dict into it.
+    """
+    made = 0
+    for group in optimizer.param_groups:
+        if not group.get("fused") or not group.get("momentum"):
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
+                made += 1
+    return made
 
 
 def fsdp_mixed_precision(precision: str) -> Any:
@@ -138,6 +166,36 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Any, horovod: bool 
     else:
         scaler.step(optimizer)
     scaler.update()
+
+
+def nonfinite_params(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """How many of ``params`` hold a NaN or an infinity: a 0-d float32 tensor on their device, computed
+    without a host sync (read it where the host syncs anyway, e.g. with the logged loss).
+
+    One ``torch._foreach_norm(..., inf)`` over the tensors (the largest magnitude: NaN when an element
+    is NaN, inf when one is infinite; unlike a 2-norm it cannot overflow on large finite values); a
+    DTensor (FSDP2) counts its local shard, empty shards are skipped; all tensors on one device.
+    """
+    tensors = []
+    for p in params:
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.numel():
+            tensors.append(t)
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(tensors, float("inf"))
+    return torch.stack([n.float() for n in norms]).isfinite().logical_not().sum(dtype=torch.float32)
+
+
+def params_diverged(step: int, bad: int, log_every: int) -> TrainingDiverged:
+    """The error for ``bad`` parameter tensors found NaN/inf after step ``step`` (pure)."""
+    return TrainingDiverged(
+        f"{bad} parameter tensor(s) of the model hold NaN or inf after step {step} (checked every "
+        f"train.log_every = {log_every} steps and before each checkpoint): the weights cannot recover",
+        hint="resume from the newest checkpoint (none holds non-finite weights) with a lower train.lr, "
+             "warm-up (train.warmup_steps) or train.precision=bf16/fp32, or set train.allow_nonfinite_params=true "
+             "to train on anyway")
 
 
 def use_static_graph(train: TrainConfig) -> bool:
@@ -394,6 +452,8 @@ class _Loop:
         self.sharded = strategy.sharded and session.distributed
         self.no_sync = strategy.no_sync(wrapped) if session.distributed else None
         self.bar: Any = None
+        self.params_checked_at = -1  # the step whose parameters were last found finite (or allowed)
+        self.params_warned = False
         self.energy = power.start_meter(dev)  # NVML, GPU runs with nvidia-ml-py only; None otherwise
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
@@ -488,13 +548,14 @@ class _Loop:
         return every > 0 and (epoch + 1) % every == 0
 
     def _log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: _Window) -> None:
-        loss = loss_sum / max(window.steps, 1)
+        # The window's mean loss and how many parameter tensors are not finite: one all-reduce, one host read.
+        packed = torch.stack([loss_sum / max(window.steps, 1), nonfinite_params(self.model.parameters()).to(self.dev)])
         if self.distributed:
             import torch.distributed as dist
 
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-            loss = loss / self.env.world_size
-        value = float(loss.item())  # the only host sync: once per log window
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+            packed = packed / torch.tensor([self.env.world_size, 1.0], device=packed.device)
+        value, bad = packed.tolist()  # the only host sync: once per log window
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         phases = self.timer.close().fields() if self.timer is not None else None  # CUDA events read after the sync
         n = window.steps
@@ -507,6 +568,30 @@ class _Loop:
                 print(f"step {step}/{self.plan.total_steps} epoch {epoch} loss {value:.4f} "
                       f"step {elapsed / n * 1000:.1f} ms data {window.data_s / n * 1000:.1f} ms "
                       f"{global_rate:.1f} samples/s", flush=True)
+        self._judge_params(step, int(bad))
+
+    def _judge_params(self, step: int, bad: int) -> None:
+        """Stop (every rank: ``bad`` was all-reduced) when parameters are not finite, unless the spec allows it."""
+        self.params_checked_at = step
+        if not bad:
+            return
+        if not self.tc.allow_nonfinite_params:
+            raise params_diverged(step, bad, self.tc.log_every)
+        if self.env.is_main and not self.params_warned:
+            self.params_warned = True
+            print(f"cyclone_kit: warning: {bad} parameter tensor(s) of the model hold NaN or inf after step {step}: "
+                  "the parameters are not finite; training goes on (train.allow_nonfinite_params)", flush=True)
+
+    def _check_params(self, step: int) -> None:
+        """Before a checkpoint: the parameters' finiteness, unless the last log step checked it."""
+        if self.params_checked_at == step:
+            return
+        bad = nonfinite_params(self.model.parameters()).to(self.dev)
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(bad, op=dist.ReduceOp.SUM)
+        self._judge_params(step, int(bad.item()))
 
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
         with self.session.not_a_step():
@@ -551,6 +636,7 @@ class _Loop:
         return torch.zeros(1, info.channels, info.image_size, info.image_size, device=self.dev)
 
     def _checkpoint(self, step: int, epoch: int) -> None:
+        self._check_params(step)  # a checkpoint never holds non-finite weights unless the spec allows them
         with self.session.not_a_step():  # gathering, sharded writes and the file: no step for the watchdog
             self._write_checkpoint(step, epoch)
 
@@ -641,6 +727,7 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
              scaler: Any, env: DistEnv, sharded: bool = False, folder: Path | None = None) -> int:
     with keep_kernel_choice(optimizer):
         _load_states(state, model, optimizer, sharded, folder)
+    seed_momentum(optimizer)  # a state written before any step has no momentum buffers: fused SGD's would be garbage
     scheduler.load_state_dict(state["scheduler"])
     if state.get("optimizer_format") == "pipeline-dcp":
         from cyclone_kit.runtime import pipeline_ckpt

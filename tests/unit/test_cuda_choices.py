@@ -4,6 +4,7 @@ what GradScaler.step then syncs, FSDP2's mixed-precision policy, which strategie
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -195,3 +196,75 @@ def test_a_plain_sgd_checkpoint_resumed_into_fused_sgd_keeps_the_fused_kernel() 
             with pytest.raises(AssertionError, match="grad_scale and found_inf to be None"):
                 scaler.step(opt)
         model.zero_grad(set_to_none=True)
+
+
+def _poison_allocator(numel: int) -> None:
+    """Fill freed memory with NaN, as a GPU's caching allocator hands back a freed activation: what
+    ``torch.empty_like`` then returns is whatever was there (glibc malloc reuses these blocks)."""
+    junk = [torch.full((numel,), float("nan")) for _ in range(64)]
+    del junk
+
+
+def _overflow_then_good_step(opt: torch.optim.Optimizer, model: torch.nn.Module, scaler: Any,
+                             x: torch.Tensor) -> list[Any]:
+    """Step 1: an inf gradient (GradScaler skips it); step 2: a finite one. Returns the momentum
+    buffers as they were between the two steps."""
+    from cyclone_kit.runtime.train import optimizer_step
+
+    scaler.scale(model(x).square().mean()).backward()
+    model.weight.grad[0, 0] = float("inf")  # type: ignore[index]
+    _poison_allocator(model.weight.numel())
+    optimizer_step(opt, scaler)
+    opt.zero_grad(set_to_none=True)
+    between = [opt.state[p].get("momentum_buffer") for p in model.parameters()]
+    between = [None if b is None else b.clone() for b in between]
+    scaler.scale(model(x).square().mean()).backward()
+    optimizer_step(opt, scaler)
+    opt.zero_grad(set_to_none=True)
+    return between
+
+
+@pytest.mark.parametrize("start", ["fresh", "resumed_without_momentum_state"])
+def test_fused_sgd_after_an_overflowed_first_step_trains_like_plain_sgd(start: str) -> None:
+    """Issue 28 bug 1: fused SGD allocates its momentum buffers with empty_like on the first step and
+    the kernel returns at once on found_inf, yet the buffers are kept: the next step computed
+    momentum * garbage + grad (NaN weights). The engine's optimizer (make_optimizer; the resume path
+    _restore) zero-seeds them, so a skipped first step then a good one equals plain SGD's run."""
+    from cyclone_kit.runtime.env import DistEnv
+    from cyclone_kit.runtime.train import _restore
+
+    tc = TrainConfig(momentum=0.9, weight_decay=5e-4)
+    results = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256)
+        x = torch.randn(8, 256)
+        opt = make_optimizer(model, 0.1, tc, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        if start == "resumed_without_momentum_state":  # a checkpoint written before any optimizer step
+            written = make_optimizer(model, 0.1, tc, fused=False)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+            state = {"model": model.state_dict(), "optimizer": written.state_dict(),
+                     "scheduler": sched.state_dict(), "scaler": scaler.state_dict(), "step": 0}
+            assert _restore(state, model, opt, sched, scaler, DistEnv()) == 0
+        between = _overflow_then_good_step(opt, model, scaler, x)
+        if fused:
+            for buf in between:  # no garbage kept from the skipped step: absent or zeros
+                assert buf is None or not buf.any(), f"{buf.isnan().sum()} NaN of {buf.numel()} kept from the skip"
+        results[fused] = [p.detach().clone() for p in model.parameters()]
+        assert scaler.get_scale() == 2.0 ** 15  # the overflow halved the scale; the good step kept it
+    for plain, fused_p in zip(results[False], results[True], strict=True):
+        assert torch.isfinite(fused_p).all()
+        torch.testing.assert_close(fused_p, plain)
+
+
+def test_nonfinite_params_counts_the_tensors_holding_nan_or_inf_without_reading_the_host() -> None:
+    from cyclone_kit.runtime.train import nonfinite_params
+
+    ok = [torch.ones(3), torch.full((2,), 1e30), torch.ones(2, dtype=torch.bfloat16), torch.empty(0)]
+    with HostReads() as reads:
+        none = nonfinite_params(ok)
+        bad = nonfinite_params([*ok, torch.tensor([1.0, float("nan")]), torch.tensor([float("-inf")])])
+    assert reads.count == 0
+    assert (none.item(), bad.item()) == (0, 2)
+    assert nonfinite_params([]).item() == 0
