@@ -54,9 +54,10 @@ from cyclone_kit.runtime.plan import (
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
 
-__all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "fsdp_mixed_precision", "gather_hosts", "gather_to_main",
-           "keep_kernel_choice", "make_optimizer", "nonfinite_params", "optimizer_step", "params_diverged", "place_model",
-           "seed_momentum", "strategy_for", "train", "unwrap", "use_fused_sgd", "use_static_graph", "wrap_model"]
+__all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "fsdp_mixed_precision", "fsdp_norm_policy", "gather_hosts",
+           "gather_to_main", "keep_kernel_choice", "make_optimizer", "nonfinite_params", "optimizer_step",
+           "params_diverged", "place_model", "seed_momentum", "strategy_for", "train", "unwrap", "use_fused_sgd",
+           "use_static_graph", "wrap_model"]
 
 
 
@@ -220,8 +221,34 @@ def _wrap_ddp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distri
     )
 
 
+def fsdp_norm_policy(policy: Any) -> Any:
+    """The ``MixedPrecisionPolicy`` of the FSDP unit holding the BatchNorm layers under ``policy``
+    (:func:`fsdp_mixed_precision`'s, or None for fp32: then no such unit): fp32 parameters and
+    gradient reductions, inputs not cast, outputs in the compute dtype.
+
+    FSDP2 casts parameters, never buffers: under a bf16/fp16 ``param_dtype`` a BatchNorm's weight
+    became bf16 while its running_mean/var stayed fp32, and ``batch_norm`` raised "expected scalar
+    type BFloat16 but found Float" (CPU; CUDA refuses the mix too) at step 1 on every ResNet and
+    MobileNet (torch's test_fully_shard_mixed_precision.py ``_test_norm_modules`` expects that error).
+    In fp32, BatchNorm takes the 16-bit activations as autocast gives them to it without FSDP.
+    """
+    if policy is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=policy.param_dtype,
+                                cast_forward_inputs=False)
+
+
+def _batch_norms(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None]
+
+
 def _wrap_fsdp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
-    """FSDP2 (``fully_shard``): every parameterised block, then the root, sharded over all ranks."""
+    """FSDP2 (``fully_shard``): under mixed precision the BatchNorm layers first, together as one fp32
+    unit (:func:`fsdp_norm_policy`; one all-gather and one reduce-scatter per step for all of them,
+    kept unsharded from the forward to the backward: ResNet-50's 53 layers hold 53k parameters), then
+    every parameterised block, then the root, sharded over all ranks."""
     if not distributed:
         return model
     import torch.distributed as dist
@@ -231,6 +258,9 @@ def _wrap_fsdp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distr
     mesh = init_device_mesh(device.kind, (dist.get_world_size(),))
     policy = fsdp_mixed_precision(resolve_precision(train.precision, device.kind, device.native_bf16))
     extra = {"mp_policy": policy} if policy is not None else {}  # every unit: a child without it would see fp32
+    norms = _batch_norms(model) if policy is not None else []
+    if norms:  # before the blocks: fully_shard takes the parameters no earlier call took
+        fully_shard(norms, mesh=mesh, mp_policy=fsdp_norm_policy(policy), reshard_after_forward=False)
     for block in _shard_units(model):
         fully_shard(block, mesh=mesh, **extra)
     fully_shard(model, mesh=mesh, **extra)

@@ -15,6 +15,7 @@ from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.train import (
     CONTIGUOUS_PARAMS,
     fsdp_mixed_precision,
+    fsdp_norm_policy,
     make_optimizer,
     place_model,
     use_fused_sgd,
@@ -70,6 +71,11 @@ def test_fsdp_policy_follows_the_resolved_precision() -> None:
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         policy = fsdp_mixed_precision(name)
         assert (policy.param_dtype, policy.reduce_dtype) == (dtype, dtype)
+        # the BatchNorm unit (issue 28 bug 2): fp32 weights next to the fp32 running statistics
+        norm = fsdp_norm_policy(policy)
+        assert (norm.param_dtype, norm.reduce_dtype, norm.output_dtype) == (None, torch.float32, dtype)
+        assert norm.cast_forward_inputs is False
+    assert fsdp_norm_policy(None) is None
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "horovod"])
