@@ -13,8 +13,23 @@ wraps:
 * torchvision's ImageFolder loader (``torchvision.datasets.folder.pil_loader``): each image is read
   ``load_delay_s`` late: a slow shared file system, costing no core.
 
-Each delay is a sleep, so the condition is the same on a machine 5x faster or slower; the product's
-code is untouched (the patch wraps torch's and torchvision's functions, which the product calls).
+It also makes moments that a test must act in, instead of hoping to land in them:
+
+* every optimizer step (a global ``torch.optim.optimizer.register_optimizer_step_post_hook``,
+  installed when ``torch.optim.optimizer`` is imported) sleeps ``step_delay_s`` (a floor on step
+  time), and at this process's ``hold_step``-th step it writes ``HOLD_DIR/at-K-rank-R`` and waits
+  (a Python sleep loop: signal handlers still run) until ``HOLD_DIR/go`` exists. A resumed segment
+  is never held: not when ``go`` exists, not when ``SLURM_RESTART_COUNT`` > 0, not when this rank
+  was held once already (``HOLD_DIR/held-rank-R``, written when it holds);
+* while a hold is set, every Python signal handler installed later first appends the signal's
+  number to ``HOLD_DIR/signal-rank-R``: a test sees that a rank *received* a signal before it lets
+  the rank go on;
+* ``os.fsync`` of a checkpoint's temporary file (``.ckpt-N.pt.XXXX.tmp``, see
+  :func:`cyclone_kit.rundir.fileio.atomic_file`), the ``hold_write``-th one of this process, writes
+  ``HOLD_DIR/writing`` and waits until ``HOLD_DIR/release`` exists: a checkpoint write that is
+  surely in progress (the temporary file exists, complete but not yet renamed).
+
+R is ``RANK``, else ``SLURM_PROCID``, else 0. :func:`hold_files` names the files for a test.
 """
 
 from __future__ import annotations
@@ -31,6 +46,10 @@ import time
 
 ALLREDUCE_DELAY_S = {allreduce}
 LOAD_DELAY_S = {load}
+STEP_DELAY_S = {step_delay}
+HOLD_DIR = {hold_dir}
+HOLD_STEP = {hold_step}
+HOLD_WRITE = {hold_write}
 
 
 def _slow_allreduce(module):
@@ -53,6 +72,100 @@ def _slow_loader(module):
         return original(path)
 
     module.pil_loader = pil_loader
+
+
+def _rank():
+    import os
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _wait_for(path):
+    import os
+    while not os.path.exists(path):
+        time.sleep(0.01)  # in Python, so signal handlers run while held
+
+
+def _touch(path, text=""):
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def _fresh_segment():
+    import os
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return not restarts.isdigit() or int(restarts) == 0
+
+
+_steps = [0]
+
+
+def _step_hooks(module):
+    import os
+
+    def after_step(optimizer, args, kwargs):
+        _steps[0] += 1
+        if STEP_DELAY_S > 0:
+            time.sleep(STEP_DELAY_S)
+        if HOLD_STEP is None or _steps[0] != HOLD_STEP or not _fresh_segment():
+            return
+        rank = _rank()
+        held = os.path.join(HOLD_DIR, "held-rank-%d" % rank)
+        go = os.path.join(HOLD_DIR, "go")
+        if os.path.exists(go) or os.path.exists(held):
+            return
+        _touch(held)
+        _touch(os.path.join(HOLD_DIR, "at-%d-rank-%d" % (HOLD_STEP, rank)))
+        _wait_for(go)
+
+    module.register_optimizer_step_post_hook(after_step)
+
+
+def _note_signals():
+    import os
+    import signal
+
+    install = signal.signal
+
+    def noting(signum, handler):
+        if not callable(handler):
+            return install(signum, handler)
+
+        def handle(number, frame):
+            _touch(os.path.join(HOLD_DIR, "signal-rank-%d" % _rank()), "%d\\n" % number)
+            return handler(number, frame)
+
+        handle.__wrapped__ = handler
+        return install(signum, handle)
+
+    signal.signal = noting
+
+
+def _hold_checkpoint_writes():
+    import os
+    import re
+
+    fsync = os.fsync
+    name = re.compile("^[.]ckpt-[0-9]+[.]pt[.][^.]+[.]tmp$")
+    seen = [0]
+
+    def held_fsync(fd):
+        try:
+            target = os.readlink("/proc/self/fd/%d" % int(fd))
+        except (OSError, TypeError, ValueError):
+            target = ""
+        if name.match(os.path.basename(target)):
+            seen[0] += 1
+            release = os.path.join(HOLD_DIR, "release")
+            if seen[0] == HOLD_WRITE and not os.path.exists(release):
+                _touch(os.path.join(HOLD_DIR, "writing"), target + "\\n")
+                _wait_for(release)
+        return fsync(fd)
+
+    os.fsync = held_fsync
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -83,15 +196,70 @@ if ALLREDUCE_DELAY_S > 0:
     _PATCHES["torch.distributed.algorithms.ddp_comm_hooks.default_hooks"] = _slow_allreduce
 if LOAD_DELAY_S > 0:
     _PATCHES["torchvision.datasets.folder"] = _slow_loader
+if STEP_DELAY_S > 0 or HOLD_STEP is not None:
+    _PATCHES["torch.optim.optimizer"] = _step_hooks
+if HOLD_STEP is not None or HOLD_WRITE is not None:
+    _note_signals()
+if HOLD_WRITE is not None:
+    _hold_checkpoint_writes()
 if _PATCHES:
     sys.meta_path.insert(0, _AfterImport(_PATCHES))
 '''
 
 
-def slow_parts_env(folder: Path, *, allreduce_delay_s: float = 0.0, load_delay_s: float = 0.0) -> dict[str, str]:
-    """Write the ``sitecustomize.py`` into ``folder``; returns the environment that makes every rank load it."""
+def slow_parts_env(folder: Path, *, allreduce_delay_s: float = 0.0, load_delay_s: float = 0.0,
+                   step_delay_s: float = 0.0, hold_step: int | None = None, hold_write: int | None = None,
+                   hold_dir: Path | None = None) -> dict[str, str]:
+    """Write the ``sitecustomize.py`` into ``folder``; returns the environment that makes every rank load it.
+
+    Args:
+        folder: where the file goes (created).
+        allreduce_delay_s, load_delay_s: the slow link and the slow file system (0: none).
+        step_delay_s: a sleep after every optimizer step (0: none).
+        hold_step: hold each rank after this optimizer step of a fresh process until ``hold_dir/go``.
+        hold_write: hold this process's N-th checkpoint temporary-file fsync until ``hold_dir/release``.
+        hold_dir: the folder of the hold files (default ``folder/hold``; created).
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE.format(allreduce=float(allreduce_delay_s),
-                                                                  load=float(load_delay_s)))
+    holds = hold_step is not None or hold_write is not None
+    hold = Path(hold_dir) if hold_dir is not None else folder / "hold"
+    if holds:
+        hold.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE.format(
+        allreduce=float(allreduce_delay_s), load=float(load_delay_s), step_delay=float(step_delay_s),
+        hold_dir=repr(str(hold.resolve())), hold_step=None if hold_step is None else int(hold_step),
+        hold_write=None if hold_write is None else int(hold_write)))
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path}
+
+
+class Holds:
+    """The files of a hold folder (see :func:`slow_parts_env`), for the test that drives it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def at(self, step: int, ranks: range | list[int]) -> bool:
+        """Whether every rank of ``ranks`` is held after optimizer step ``step``."""
+        return all((self.folder / f"at-{step}-rank-{r}").exists() for r in ranks)
+
+    def signalled(self, ranks: range | list[int]) -> bool:
+        """Whether every rank of ``ranks`` ran a Python signal handler since it started."""
+        return all((self.folder / f"signal-rank-{r}").exists() for r in ranks)
+
+    def writing(self) -> bool:
+        """Whether a checkpoint write is held (its temporary file complete, not renamed)."""
+        return (self.folder / "writing").exists()
+
+    def go(self) -> None:
+        """Let the ranks held at their step go on."""
+        (self.folder / "go").touch()
+
+    def release(self) -> None:
+        """Let the held checkpoint write go on."""
+        (self.folder / "release").touch()
+
+
+def hold_files(folder: Path) -> Holds:
+    """The hold files of ``slow_parts_env(folder, ...)`` (its default ``hold_dir``)."""
+    return Holds(Path(folder) / "hold")

@@ -30,6 +30,7 @@ from cyclone_kit.runtime import checkpoint as ckpt
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.phases import assert_phases_add_up
 from tests.helpers.ranks import records
+from tests.helpers.slow_parts import hold_files, slow_parts_env
 from tests.helpers.slurm_jobs import wait_for
 
 pytestmark = pytest.mark.slow
@@ -53,8 +54,10 @@ def make_run_dir(path: Path, spec: dict[str, Any]) -> Path:
     return path
 
 
-def launcher(run_dir: Path, nproc: int, *script_args: str) -> subprocess.Popen[str]:
-    """The local launcher (cyclone_kit.backends.srun_emulator.launch) running ddp_ck.py on ``nproc`` ranks."""
+def launcher(run_dir: Path, nproc: int, *script_args: str,
+             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """The local launcher (cyclone_kit.backends.srun_emulator.launch) running ddp_ck.py on ``nproc`` ranks
+    (``env``: more variables for the launcher and its ranks)."""
     code = textwrap.dedent(f"""
         import sys
         from cyclone_kit.backends.srun_emulator import launch
@@ -62,8 +65,8 @@ def launcher(run_dir: Path, nproc: int, *script_args: str) -> subprocess.Popen[s
                         command=[sys.executable, {DDP_CK!r}, *{list(script_args)!r}])
         sys.exit(0 if result.ok else 1)
     """)
-    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=plain_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=plain_env(**(env or {})),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish(proc: subprocess.Popen[str], run_dir: Path) -> None:
@@ -162,17 +165,24 @@ def test_requeue_signal_stops_every_rank_at_one_step_and_the_run_resumes_exactly
     spec = {"train": {"log_every": 1}, "checkpoint": {"poll_s": 0, "keep": 2}}
     args = ("--steps", str(total), "--batch-size", "16")
     run_dir = make_run_dir(tmp_path / "run", spec)
-    proc = launcher(run_dir, 2, *args)
+    # Both ranks wait after optimizer step 5 until the signal reached them: it lands mid-run, at any speed.
+    holds = hold_files(tmp_path / "hold")
+    proc = launcher(run_dir, 2, *args, env=slow_parts_env(tmp_path / "hold", hold_step=5))
     try:
-        wait_for(lambda: len(records(run_dir, "step")) >= 5, 120, "training to start")
+        wait_for(lambda: holds.at(5, range(2)), TIMEOUT_S, "both ranks held after step 5")
         proc.send_signal(signal.SIGUSR2)  # passed on to both ranks, as srun --signal does
+        wait_for(lambda: holds.signalled(range(2)), TIMEOUT_S, "the signal to reach both ranks")
+        holds.go()
         finish(proc, run_dir)
     finally:
         if proc.poll() is None:
             proc.kill()
     (end,) = records(run_dir, "end")
     stopped = end["steps"]
-    assert end["status"] == "preempted" and 0 < stopped < total, end
+    # checkpoint.poll_s 0: the ranks agree after every step; the flag raised during step 5 goes into
+    # step 5's reduce and is acted on at step 6's poll: the stop comes within steps of the signal.
+    print(f"signalled while held after step 5; stopped after step {stopped}")
+    assert end["status"] == "preempted" and 5 <= stopped <= 10, end
     state, _path = ckpt.load_latest(run_dir / "checkpoints")
     assert state["step"] == stopped and state["user_state"]["step"] == stopped
     out = (run_dir / "logs" / "rank-0.out").read_text()

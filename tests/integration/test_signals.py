@@ -32,6 +32,7 @@ from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.runtime import watchdog
 from tests.helpers.cli import REPO
 from tests.helpers.ranks import alive, records
+from tests.helpers.slow_parts import hold_files, slow_parts_env
 from tests.helpers.slurm_jobs import wait_for
 
 pytestmark = pytest.mark.slow
@@ -42,12 +43,16 @@ SMOKE = str(REPO / "jobs" / "smoke.toml")
 TIMEOUT_S = 240
 #: pytest-timeout for the training tests: a run, a stop and a resume, each under its own hang guard.
 SLOW_TEST_TIMEOUT_S = 900
-#: Steps of the tiny-CNN runs that are signalled once step 5 is logged. A stop is acted on within
-#: about 2 x checkpoint.poll_s (1 s): even at 5x our speed (~4-7 ms a step; ~33 ms here) 500 steps last
-#: >= 2 s, so the signal always lands mid-run, and the resume (the remaining steps) stays short.
+#: Steps of the tiny-CNN runs signalled while both ranks are held after step 5
+#: (:mod:`tests.helpers.slow_parts`). A stop is acted on within about 2 x checkpoint.poll_s (1 s); each
+#: step of the signalled segment sleeps STEP_FLOOR_S, so those 1 s hold <= 100 steps at any speed.
 SIGNALLED_STEPS = 500
-#: Steps of the ResNet-18 storm run (signalled from step 3): ~0.5 s a step here, so even at 5x our
-#: speed the ~37 steps left outlast the stop agreement and the checkpoint write.
+#: The least step time of a signalled segment (a sleep after every optimizer step).
+STEP_FLOOR_S = 0.01
+#: Rounds of the signal storm sent while the stop checkpoint's write is held (its temporary file complete,
+#: not yet renamed), before the write is released.
+STORM_ROUNDS_DURING_WRITE = 50
+#: Steps of the ResNet-18 storm run (signalled from step 3, while both ranks are held there).
 STORM_STEPS = 40
 
 
@@ -65,13 +70,14 @@ def last_step(run_dir: Path) -> int:
 class LocalRun:
     """``python -m cyclone_kit run jobs/smoke.toml --nproc 2`` in the background, killed on exit."""
 
-    def __init__(self, runs_dir: Path, *sets: str) -> None:
+    def __init__(self, runs_dir: Path, *sets: str, env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "cyclone_kit", "run", SMOKE, "--nproc", "2", "--threads", "1", "--quiet",
                 "--runs-dir", str(runs_dir)]
         for item in sets:
             argv += ["--set", item]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+                                          **(env or {})})
         assert self.proc.stdout is not None
         first = self.proc.stdout.readline()
         assert first.startswith("run dir: "), first + self.proc.stderr.read()  # type: ignore[union-attr]
@@ -122,12 +128,17 @@ def assert_every_step_once(run_dir: Path, total: int) -> None:
 def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: Path, sig: signal.Signals,
                                                                      sets: tuple[str, ...], expected_rc: int) -> None:
     total = SIGNALLED_STEPS
-    run = LocalRun(tmp_path, f"train.steps={total}", "train.log_every=1", *sets)
+    # Both ranks wait after optimizer step 5 until the signal reached them: it lands mid-run, at any speed.
+    holds = hold_files(tmp_path / "hold")
+    run = LocalRun(tmp_path, f"train.steps={total}", "train.log_every=1", *sets,
+                   env=slow_parts_env(tmp_path / "hold", hold_step=5, step_delay_s=STEP_FLOOR_S))
     try:
         pids = run.wait_ranks()
-        wait_for(lambda: last_step(run.run_dir) >= 5, TIMEOUT_S, "training to start")
+        wait_for(lambda: holds.at(5, range(2)), TIMEOUT_S, "both ranks held after step 5")
         run.proc.send_signal(sig)
         sent = time.monotonic()
+        wait_for(lambda: holds.signalled(range(2)), TIMEOUT_S, "the signal to reach both ranks")
+        holds.go()
         code, out, err = run.proc.wait(timeout=TIMEOUT_S), "", ""
         orphans = [p for p in pids if alive(p)]  # ranks that outlived their launcher
         wait_for(lambda: not any(alive(p) for p in pids), TIMEOUT_S, "the ranks to stop")
@@ -141,7 +152,7 @@ def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: P
     ends = records(run.run_dir, "end")
     assert [e["status"] for e in ends] == ["preempted"], (ends, err)
     stopped = ends[0]["steps"]
-    assert 0 < stopped < total
+    assert 5 <= stopped < total, "the stop came after the step the signal arrived in, before the end"
     state, path = ck.load_latest(run.run_dir / "checkpoints")
     assert state["step"] == stopped, f"the stop was checkpointed ({path})"
     assert code == expected_rc, (code, out, err)
@@ -159,32 +170,41 @@ def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: P
 @pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: Path) -> None:
     """USR2 then SIGTERM/USR2 alternately every 2 ms at both ranks until the stop checkpoint is in
-    place. ResNet-18 makes the checkpoint big (~90 MB with momentum), so the write takes long enough
-    to be hit many times; checkpoint.every_steps=0 makes it the only checkpoint."""
+    place; checkpoint.every_steps=0 makes it the only checkpoint. The moments are made
+    (:mod:`tests.helpers.slow_parts`): the storm starts while both ranks are held after step 3 (they go
+    on once both received a signal), and the stop checkpoint's write is held before its fsync (the
+    temporary file complete, not yet renamed) for STORM_ROUNDS_DURING_WRITE rounds."""
     total = STORM_STEPS
+    holds = hold_files(tmp_path / "hold")
     run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
-                   "train.log_every=1", "checkpoint.every_steps=0")
+                   "train.log_every=1", "checkpoint.every_steps=0",
+                   env=slow_parts_env(tmp_path / "hold", hold_step=3, hold_write=1))
     ckpts = run.run_dir / "checkpoints"
     sent = during_write = 0
     try:
         pids = run.wait_ranks()
-        wait_for(lambda: last_step(run.run_dir) >= 3, TIMEOUT_S, "training to start")
+        wait_for(lambda: holds.at(3, range(2)), TIMEOUT_S, "both ranks held after step 3")
         storm = [signal.SIGUSR2, signal.SIGTERM]
         deadline = time.monotonic() + TIMEOUT_S  # a hang guard: the loop ends on the checkpoint (an event)
         while not ck.list_checkpoints(ckpts) and time.monotonic() < deadline:
-            writing = ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir())
+            writing = holds.writing() and any(p.name.endswith(".tmp") for p in ckpts.iterdir())
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, storm[sent % 2])
             sent += 1
             during_write += writing
+            if sent == 1:
+                wait_for(lambda: holds.signalled(range(2)), TIMEOUT_S, "the first signals to reach both ranks")
+                holds.go()
+            if during_write == STORM_ROUNDS_DURING_WRITE:
+                holds.release()
             time.sleep(0.002)
         code, _out, err = run.finish(timeout=TIMEOUT_S)
     finally:
         run.cleanup()
     print(f"signal storm: {sent} rounds of signals to 2 ranks, {during_write} of them while the checkpoint "
           f"was being written; launcher exit {code}")
-    assert during_write > 0, "no signal arrived while the checkpoint was being written"
+    assert during_write >= STORM_ROUNDS_DURING_WRITE, "the storm did not go on while the checkpoint was written"
     ends = records(run.run_dir, "end")
     assert [e["status"] for e in ends] == ["preempted"], (ends, err)
     stopped = ends[0]["steps"]
@@ -202,16 +222,22 @@ def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: P
 @pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previous(tmp_path: Path) -> None:
     """Rank 0 (the writer) is SIGKILLed while its temporary checkpoint file exists, after an earlier
-    checkpoint is complete; the run fails, and the same run directory resumes from the earlier one."""
+    checkpoint is complete; the run fails, and the same run directory resumes from the earlier one.
+    The moment is made (:mod:`tests.helpers.slow_parts`): the second checkpoint's write (step 2 x
+    every) is held before its fsync, and the kill lands while it is held."""
     total, every = 20, 5
+    holds = hold_files(tmp_path / "hold")
     run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
-                   "train.log_every=1", f"checkpoint.every_steps={every}", "checkpoint.keep=3")
+                   "train.log_every=1", f"checkpoint.every_steps={every}", "checkpoint.keep=3",
+                   env=slow_parts_env(tmp_path / "hold", hold_write=2))
     ckpts = run.run_dir / "checkpoints"
     try:
         pids = run.wait_ranks()
-        wait_for(lambda: ck.list_checkpoints(ckpts), TIMEOUT_S, "the first checkpoint")
-        tmp = wait_for(lambda: ckpts.is_dir() and [p for p in ckpts.iterdir() if p.name.endswith(".tmp")],
-                       TIMEOUT_S, "a checkpoint being written", poll=0.001)
+        wait_for(holds.writing, TIMEOUT_S, "the second checkpoint being written")
+        tmp = [p for p in ckpts.iterdir() if p.name.endswith(".tmp") and not p.name.endswith(".sha256.tmp")]
+        assert [p.name for p in tmp] == [Path(line).name for line in
+                                         (holds.folder / "writing").read_text().split()], tmp
+        assert [s for s, _ in ck.list_checkpoints(ckpts)] == [every], "the first checkpoint is complete"
         os.kill(pids[0], signal.SIGKILL)
         code, _out, err = run.finish(timeout=TIMEOUT_S)
     finally:
@@ -222,7 +248,7 @@ def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previ
     assert "SIGKILL" in (root_cause(run.run_dir) or ""), root_cause(run.run_dir)
     state, _path = ck.load_latest(ckpts)
     previous = state["step"]
-    assert previous == max(complete) and previous % every == 0
+    assert previous == max(complete) == every, "the checkpoint before the killed write is the one resumed"
     assert tmp[0].name not in {p.name for _, p in ck.list_checkpoints(ckpts)}, "a half-written file is no checkpoint"
 
     resume(run.run_dir)
