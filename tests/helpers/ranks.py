@@ -47,12 +47,13 @@ def clean_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def start_ranks(run_dir: Path, world: int) -> list[subprocess.Popen[str]]:
-    """Start ``world`` ranks of the runtime on run_dir (torchrun-style environment)."""
+def start_ranks(run_dir: Path, world: int, env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    """Start ``world`` ranks of the runtime on run_dir (torchrun-style environment, plus ``env``)."""
     port = free_port()
     procs = []
+    extra = dict(env or {})
     for rank in range(world):
-        env = clean_env()
+        env = {**clean_env(), **extra}
         if world > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -27,6 +27,8 @@ from tests.helpers.ranks import (
     start_ranks,
     write_spec,
 )
+from tests.helpers.slow_parts import hold_files, slow_parts_env
+from tests.helpers.slurm_jobs import wait_for
 
 #: A process-group timeout no test waits for: a rank that exits within TIMEOUT_S after its peer died
 #: noticed the death itself, it did not sit out the gloo timeout.
@@ -132,10 +134,9 @@ def test_two_rank_run_writes_the_metrics_contract(pair_runs: dict[str, Path]) ->
 
 
 # ------------------------------------------------------------------------ exact resume after a signal
-#: Steps of the runs the tests signal once step 12 is logged (and of their uninterrupted reference).
-#: The 138 steps left take >= 0.4 s even at 5x our speed (~3 ms a step), ~50x the test's reaction
-#: (a 5 ms poll of the metrics file), so the signal lands mid-run on any machine; 30 steps did not
-#: leave that margin (issue 12). FSDP follows the one-rank run to ~2e-5 over these steps.
+#: Steps of the runs the tests signal (and of their uninterrupted reference). The signal lands while
+#: every rank is held after optimizer step 12 (:mod:`tests.helpers.slow_parts`), so mid-run at any
+#: speed. FSDP follows the one-rank run to ~2e-5 over these steps.
 SIGNALLED_STEPS = 150
 
 
@@ -153,21 +154,22 @@ def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(
     reference = {r["step"]: r["loss"] for r in records(long_reference, "step")}
     run = tmp_path / "resumed"
     write_spec(run, batch_size=64, log_every=1, synthetic_samples=640, steps=SIGNALLED_STEPS)
-    (proc,) = start_ranks(run, 1)
-    deadline = time.monotonic() + TIMEOUT_S
-    metrics = run / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        # Signal in the second epoch, so the resume starts mid-epoch after an epoch boundary.
-        if metrics.is_file() and '"step":12,' in metrics.read_text():
-            proc.send_signal(signal.SIGUSR2)  # the requeue signal: checkpoint and stop (no Slurm here)
-            break
-        time.sleep(0.005)
+    # Signal in the second epoch (held after step 12), so the resume starts mid-epoch after an epoch boundary.
+    holds = hold_files(tmp_path / "hold")
+    (proc,) = start_ranks(run, 1, env=slow_parts_env(tmp_path / "hold", hold_step=12))
+    try:
+        wait_for(lambda: holds.at(12, [0]) or proc.poll() is not None, TIMEOUT_S, "the rank held after step 12")
+        proc.send_signal(signal.SIGUSR2)  # the requeue signal: checkpoint and stop (no Slurm here)
+        wait_for(lambda: holds.signalled([0]) or proc.poll() is not None, TIMEOUT_S, "the signal to reach the rank")
+    finally:
+        holds.go()
     (code, out, err), = finish([proc])
     assert code == 0, err
     first = records(run)
     assert first[-1]["kind"] == "end" and first[-1]["status"] == "preempted", "the run finished before the signal"
     stopped_at = first[-1]["steps"]
-    assert 12 <= stopped_at < SIGNALLED_STEPS
+    print(f"signalled while held after step 12; stopped after step {stopped_at}")
+    assert 12 <= stopped_at <= 20, "one rank reads its flag after every step: the stop follows the signal"
     assert "not running under Slurm" in out
     run_ranks(run, 1)  # the same command again resumes
     recs = records(run)
@@ -248,19 +250,23 @@ def test_fsdp_run_signalled_on_one_rank_resumes_on_the_one_rank_trajectory(
     # Agree after every step: the stop is then acted on a step or two after the signal, whatever the speed.
     write_spec(run, checkpoint={"poll_s": 0}, strategy="fsdp", batch_size=32, log_every=1, synthetic_samples=640,
                steps=SIGNALLED_STEPS)
-    procs = start_ranks(run, 2)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-        if metrics.is_file() and '"step":12,' in metrics.read_text():
-            procs[1].send_signal(signal.SIGUSR2)
-            break
-        time.sleep(0.005)
+    holds = hold_files(tmp_path / "hold")
+    procs = start_ranks(run, 2, env=slow_parts_env(tmp_path / "hold", hold_step=12))
+    running = lambda: all(p.poll() is None for p in procs)  # noqa: E731
+    try:
+        wait_for(lambda: holds.at(12, range(2)) or not running(), TIMEOUT_S, "both ranks held after step 12")
+        procs[1].send_signal(signal.SIGUSR2)
+        wait_for(lambda: holds.signalled([1]) or not running(), TIMEOUT_S, "the signal to reach rank 1")
+    finally:
+        holds.go()
     for rank, (code, out, err) in enumerate(finish(procs)):
         assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
     first = records(run)
     assert first[-1]["kind"] == "end" and first[-1]["status"] == "preempted", "the run finished before the signal"
     assert first[0]["strategy"] == "fsdp" and first[0]["world_size"] == 2
+    stopped_at = first[-1]["steps"]
+    print(f"rank 1 signalled while both were held after step 12; both stopped after step {stopped_at}")
+    assert 12 <= stopped_at <= 20, "poll_s 0: the flag all-reduce stops both ranks steps after the signal"
     run_ranks(run, 2)
     recs = records(run)
     assert [e["status"] for e in recs if e["kind"] == "end"] == ["preempted", "completed"]
