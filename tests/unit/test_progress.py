@@ -118,17 +118,20 @@ def test_the_watchdog_fires_once_the_bound_passes_without_a_step() -> None:
     watch = pg.ProgressWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.5, factor=20), "7:0", on_stall,
                              exit=leave, settle_s=0.0).start()
     for step in range(1, 6):
+        stopped = time.monotonic()  # before the last beat: the watchdog's idle time starts at or after it
         watch.beat(step)
         time.sleep(0.01)
-    stopped = time.monotonic()
     assert done.wait(30), "the watchdog never fired"
     waited = time.monotonic() - stopped
     assert exits == [pg.STALL_EXIT_CODE]
     (stuck, own), = called
     assert stuck == [0] and own["state"] == "stalled" and own["step"] == 5
     assert "test_the_watchdog_fires_once_the_bound_passes" in own["stack"], own["stack"][:500]
-    assert own["idle_s"] > own["bound_s"] == 0.5
-    assert waited >= 0.5, waited
+    # The product's rule, max(floor, factor x median step): 0.5 s unless a loaded machine stretched the
+    # ~10 ms beats past 25 ms (then 20 x median). The verdict holds at any speed.
+    assert own["bound_s"] == pytest.approx(max(0.5, 20 * own["median_step_s"]))
+    assert own["idle_s"] > own["bound_s"] >= 0.5
+    assert waited > own["bound_s"], (waited, own["bound_s"])
 
 
 def test_a_pause_is_not_a_stall() -> None:
