@@ -200,8 +200,10 @@ def test_fsdp_with_torch_compile_and_bf16_trains_through_the_runtime(tmp_path: P
     gloo ranks through `cyclone-kit run` complete their steps and agree on the loss they log."""
     from tests.helpers.cli import REPO, run_cli
 
+    # jobs/smoke.toml's pg_timeout_s (60 s) would fail a collective whose peer still compiles (a cold compile
+    # may put the two ranks minutes apart under load): the process-group timeout is the hang guard's length.
     sets = ["train.strategy=fsdp", "train.compile=true", "train.precision=bf16", "train.steps=3", "train.log_every=1",
-            "train.val_every_epochs=0", "checkpoint.every_steps=0"]
+            "train.val_every_epochs=0", "checkpoint.every_steps=0", f"train.pg_timeout_s={COMPILE_HANG_S}"]
     argv = ["run", str(REPO / "jobs" / "smoke.toml"), "--nproc", "2", "--threads", "1", "--cpu", "--quiet",
             "--runs-dir", str(tmp_path / "runs")]
     for item in sets:

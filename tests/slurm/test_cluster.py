@@ -106,10 +106,8 @@ def test_two_nodes_two_tasks_per_node(backend: SlurmBackend, submit: Submit) -> 
     assert hostlist.first_host(env["SLURM_JOB_NODELIST"]) == "c1"
     assert hostlist.expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"]) == [2, 2]
     assert "SLURM_RESTART_COUNT" not in env  # only after a requeue
-    # A hang guard, not a timing target (issue 12): a 2-node srun job takes 1-1.5 s on a quiet machine;
-    # what this catches is a node that never answers, or Slurm's default scheduling delays (2-3 s per
-    # job, see LOCAL-SLURM facts) piling up without end, not a busy machine (the other test stream).
-    assert latency < 120
+    # No wall-clock verdict (issue 27): backend.wait(timeout=HANG_S) is the hang guard; the latency printed
+    # above (1-1.5 s on a quiet machine) is a reading, not a bound.
 
 
 def test_failed_job_and_all_status_sources_agree(backend: SlurmBackend, submit: Submit) -> None:
