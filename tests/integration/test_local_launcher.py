@@ -20,6 +20,7 @@ import pytest
 
 from cyclone_kit.backends.srun_emulator import FAILURE_FILE, LAUNCH_FILE, launch
 from tests.helpers.cli import REPO
+from tests.helpers.slow_parts import hold_files, slow_parts_env
 
 SMOKE = REPO / "jobs" / "smoke.toml"
 #: Hang guard (not a performance bound): seconds to wait for an event that takes ~5-20 s here (>= 10x).
@@ -165,9 +166,10 @@ def test_launch_timeout_stops_every_rank(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the real engine
-def _run_cli(*args: str, **kwargs) -> subprocess.Popen:
+def _run_cli(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "cyclone_kit", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, **kwargs)
 
 
 def _only_dir(path: Path) -> Path:
@@ -198,14 +200,19 @@ def test_two_rank_smoke_run_trains_with_world_size_two(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_sigkill_of_a_rank_mid_run_ends_the_run_within_seconds(tmp_path: Path) -> None:
-    """Issue 7, item 1 (local half): SIGKILL one rank of a 2-node run in the middle of training."""
-    proc = _run_cli("run", str(SMOKE), "--nproc", "2", "--nodes", "2", "--runs-dir", str(tmp_path), "--quiet",
-                    "--set", "train.steps=100000", "--set", "train.epochs=0", "--set", "train.log_every=1")
+    """Issue 7, item 1 (local half): SIGKILL one rank of a 2-node run in the middle of training.
+
+    The moment is made (:mod:`tests.helpers.slow_parts`): both ranks are held after optimizer step 3,
+    outside any collective, when rank 1 is killed; rank 0 stays held (it never sees the reset a peer's
+    death causes in a collective, so it cannot fail first): the launcher must name rank 1 and stop rank 0."""
+    runs = tmp_path / "runs"
+    holds = hold_files(tmp_path / "hold")
+    proc = _run_cli("run", str(SMOKE), "--nproc", "2", "--nodes", "2", "--runs-dir", str(runs), "--quiet",
+                    "--set", "train.steps=100000", "--set", "train.epochs=0", "--set", "train.log_every=1",
+                    env=slow_parts_env(tmp_path / "hold", hold_step=3))
     try:
-        wait_for(lambda: any(tmp_path.glob("*/metrics.jsonl")), HANG_GUARD_S, "the first metrics")
-        run_dir = _only_dir(tmp_path)
-        wait_for(lambda: any(r.get("kind") == "step" for r in read_complete_records(run_dir / "metrics.jsonl")),
-                 HANG_GUARD_S, "a training step")
+        wait_for(lambda: holds.at(3, range(2)) or proc.poll() is not None, HANG_GUARD_S, "both ranks held after step 3")
+        run_dir = _only_dir(runs)
         launched = json.loads((run_dir / LAUNCH_FILE).read_text())
         victim = launched["ranks"][1]
         os.kill(victim["pid"], signal.SIGKILL)
