@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # GPU check: ResNet-50, synthetic data, bf16 autocast + channels_last, batch 256, on one NVIDIA GPU.
-# One command, < 8 minutes with a cold compile cache on an H100/H200-class GPU, on a machine where torch is
-# preinstalled and nothing can be installed (a wheelhouse made beforehand brings the rest; see Preflight).
+# One command, < 9 minutes (time budget 480 s) with a cold compile cache on an H100/H200-class GPU, on a machine
+# where torch is preinstalled and nothing can be installed (a wheelhouse made beforehand brings the rest; see Preflight).
 #
-# Stages (each a fresh process; images/s = median of the 10-step windows after the first, the runtime's
-# own steady-state definition; the bare loop is bench/plain_ddp.py measuring the same way):
-#   1. bare_eager        bare loop, eager (hand-written: model, SGD, autocast, channels_last; no DDP)
-#   2. runtime_eager     cyclone_kit runtime, eager (python -m cyclone_kit run SPEC --nproc 1)
-#   3. bare_compile      bare loop, torch.compile
-#   4. runtime_compile   cyclone_kit runtime, torch.compile (train.compile=true)
+# Stages, bug-finding checks first (a budget that runs out drops the compile figures, not a check), each a fresh
+# process; images/s = median of the 10-step windows after the first, the runtime's own steady-state definition;
+# the bare loop is bench/plain_ddp.py measuring the same way. Before each stage the stages left are printed.
+#   1. fused_sgd_overflow   check (issue 28 bug 1): the runtime's fused SGD (make_optimizer) + GradScaler, fp16, on
+#                           the model; the first step overflows (an inf gradient: found_inf, the step skipped on the
+#                           device), then good steps: the momentum buffers must be zero after the skip and every
+#                           parameter finite at the end, equal to plain SGD's (stock fused SGD kept empty_like
+#                           garbage there; its result is printed for information)
+#   2. fsdp_bf16_batchnorm  check (issue 28 bug 2): FSDP2 (world 1, 1-rank NCCL group), the runtime's place_model
+#                           + wrap_model, bf16 MixedPrecisionPolicy, channels_last inputs, on the model's BatchNorm
+#                           layers (ResNet-50; resnet18 in the CPU dry run): finite loss and parameters
+#   3. imagefolder_sigterm  check: ImageFolder run with DataLoader workers, SIGTERM to the rank's process group
+#                           (as Slurm signals a step): must end "preempted" with a checkpoint
+#   4. horovod_channels_last  runtime with train.strategy=horovod and channels_last (its first broadcast used to
+#                           fail on channels_last weights); skipped (n/a) where Horovod is absent
 #   5. runtime_fp16      cyclone_kit runtime, fp16 + GradScaler (the V100 path; fused SGD: no host sync per step)
-#   6. bare_ddp_nccl_eager  bare loop + 1-rank NCCL process group + DDP, eager (NCCL init, DDP reducer)
-#   7. fsdp_channels_last   check: FSDP2 (world 1, 1-rank NCCL group) with channels_last on and its
-#                           MixedPrecisionPolicy (bf16 params/reduce)
-#   8. imagefolder_sigterm  check: ImageFolder run with DataLoader workers, SIGTERM to the rank's process
-#                           group (as Slurm signals a step): must end "preempted" with a checkpoint
-#   9. horovod_channels_last  runtime with train.strategy=horovod and channels_last (its first broadcast
-#                           used to fail on channels_last weights); skipped (n/a) where Horovod is absent
+#   6. bare_eager        bare loop, eager (hand-written: model, SGD, autocast, channels_last; no DDP)
+#   7. runtime_eager     cyclone_kit runtime, eager (python -m cyclone_kit run SPEC --nproc 1)
+#   8. bare_ddp_nccl_eager  bare loop + 1-rank NCCL process group + DDP, eager (NCCL init, DDP reducer)
+#   9. bare_compile      bare loop, torch.compile
+#  10. runtime_compile   cyclone_kit runtime, torch.compile (train.compile=true)
 # Not possible on one GPU, said so in the output: the pipeline with 2 stages (two ranks on one GPU: NCCL
 # refuses them, "Duplicate GPU detected"), and DDP no_sync under compile through the runtime (a world of one
 # has no process group, so the runtime wraps no DDP; stage 6 measures DDP's own cost in the bare loop).
@@ -41,7 +48,7 @@
 # Usage: bash bench/gpu_check.sh [--cpu-dry-run] [--wheelhouse DIR] [--list-stages]   (from anywhere)
 # Exit:  0 every stage ran; 1 a stage failed; 2 no CUDA (GPU mode), a package missing, or a bad option;
 #        3 a stage was skipped or timed out.
-# Env:   PYTHON (default: .venv/bin/python, else python3), CK_GPU_CHECK_BUDGET_S (default 420; CPU dry run 1500),
+# Env:   PYTHON (default: .venv/bin/python, else python3), CK_GPU_CHECK_BUDGET_S (default 480; CPU dry run 1500),
 #        CK_GPU_CHECK_STEPS (default 50 eager / 40 compile).
 set -uo pipefail
 
@@ -67,9 +74,9 @@ done
 # The CPU dry run checks that every stage runs, not how fast: on a loaded shared CPU a tiny stage can take
 # minutes, so its stage timeouts are 5x and its budget 1500 s.
 if [[ "$CPU_MODE" == 1 ]]; then TMO_SCALE=5; BUDGET_S="${CK_GPU_CHECK_BUDGET_S:-1500}"
-else TMO_SCALE=1; BUDGET_S="${CK_GPU_CHECK_BUDGET_S:-420}"; fi
-STAGES=(bare_eager runtime_eager bare_compile runtime_compile runtime_fp16 bare_ddp_nccl_eager fsdp_channels_last
-        imagefolder_sigterm horovod_channels_last)
+else TMO_SCALE=1; BUDGET_S="${CK_GPU_CHECK_BUDGET_S:-480}"; fi
+STAGES=(fused_sgd_overflow fsdp_bf16_batchnorm imagefolder_sigterm horovod_channels_last runtime_fp16 bare_eager
+        runtime_eager bare_ddp_nccl_eager bare_compile runtime_compile)
 NOT_POSSIBLE=("pipeline_2_stages: two ranks on one GPU, which NCCL refuses ('Duplicate GPU detected'); the pipeline needs 2 GPUs (it is tested on gloo ranks on the CPU)"
               "runtime_ddp_no_sync_compile: a world of one has no process group, so the runtime wraps no DDP (bare_ddp_nccl_eager measures DDP on one GPU)")
 if [[ "$LIST_ONLY" == 1 ]]; then
@@ -89,6 +96,7 @@ say() { echo "$*" | tee -a "$LOG"; }
 if [[ "$CPU_MODE" == 1 ]]; then
   MODEL=tiny_cnn; SIZE=32; CLASSES=10; BATCH=8; EAGER_STEPS=4; COMPILE_STEPS=4; LOG_EVERY=1
   FOLDER_SIZE=16; FOLDER_IMAGES=16; FOLDER_WORKERS=2; FOLDER_BATCH=4; FSDP_BATCH=8; FSDP_STEPS=4
+  FSDP_MODEL=resnet18; FUSED_BATCH=8; FUSED_STEPS=3  # resnet18: the dry run's FSDP check needs BatchNorm layers
   DEVICE=cpu; RUN_FLAGS=(--cpu --threads 1); DO_COMPILE="${CK_GPU_CHECK_COMPILE:-0}"
   export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1
 else
@@ -96,6 +104,7 @@ else
   EAGER_STEPS="${CK_GPU_CHECK_STEPS:-50}"; COMPILE_STEPS="${CK_GPU_CHECK_STEPS:-40}"
   DEVICE=cuda; RUN_FLAGS=(); DO_COMPILE="${CK_GPU_CHECK_COMPILE:-1}"
   FOLDER_SIZE=64; FOLDER_IMAGES=256; FOLDER_WORKERS=4; FOLDER_BATCH=32; FSDP_BATCH=64; FSDP_STEPS=20
+  FSDP_MODEL=$MODEL; FUSED_BATCH=64; FUSED_STEPS=3
 fi
 
 say "== cyclone_kit gpu_check $(date -u '+%Y-%m-%d %H:%M:%S') UTC, host $(hostname), mode $([[ $CPU_MODE == 1 ]] && echo CPU-smoke || echo GPU)"
@@ -168,17 +177,23 @@ STATUS_OK=1
 PARTIAL=0
 
 time_left() { echo $(( BUDGET_S - SECONDS )); }
+# left_after NAME: the stages of ${STAGES[*]} after NAME ("none" at the end).
+left_after() {
+  local s seen=0 out=()
+  for s in "${STAGES[@]}"; do (( seen )) && out+=("$s"); [[ "$s" == "$1" ]] && seen=1; done
+  if (( ${#out[@]} )); then echo "${out[*]}"; else echo none; fi
+}
 
 # stage NAME TIMEOUT_S MIN_LEFT_S KIND [args...]; KIND = bare|runtime. Stores images/s in RATE[NAME].
 stage() {
   local name="$1" tmo=$(( $2 * TMO_SCALE )) need="$3" kind="$4"; shift 4
   local left; left=$(time_left)
   if (( left < need )); then
-    say "-- $name: SKIPPED (time budget: ${left}s left, needs ~${need}s)"
+    say "-- $name: SKIPPED (time budget: ${left}s left, needs ~${need}s); stages left: $(left_after "$name")"
     RATE[$name]=""; PARTIAL=1; return 0
   fi
   (( tmo > left )) && tmo=$left
-  say "-- $name (timeout ${tmo}s)"
+  say "-- $name (timeout ${tmo}s); stages left after it: $(left_after "$name")"
   local t0=$SECONDS out="$WORK/$name.json" rc=0
   if [[ "$kind" == bare ]]; then
     timeout -k 10 "$tmo" "$PY" bench/plain_ddp.py --device "$DEVICE" --bf16 --channels-last --model "$MODEL" \
@@ -235,26 +250,93 @@ check() {
   local name="$1" tmo=$(( $2 * TMO_SCALE )) need="$3" fn="$4" left rc=0 t0=$SECONDS
   left=$(time_left)
   if (( left < need )); then
-    say "-- $name: SKIPPED (time budget: ${left}s left, needs ~${need}s)"; CHECK[$name]=SKIPPED; PARTIAL=1; return 0
+    say "-- $name: SKIPPED (time budget: ${left}s left, needs ~${need}s); stages left: $(left_after "$name")"
+    CHECK[$name]=SKIPPED; PARTIAL=1; return 0
   fi
   (( tmo > left )) && tmo=$left
-  say "-- $name (timeout ${tmo}s)"
+  say "-- $name (timeout ${tmo}s); stages left after it: $(left_after "$name")"
   "$fn" "$tmo" >"$WORK/$name.out" 2>&1 || rc=$?
   sed 's/^/   | /' "$WORK/$name.out" | tail -n 12 | tee -a "$LOG"
   if (( rc == 0 )); then CHECK[$name]=PASS; else CHECK[$name]="FAIL(exit $rc)"; STATUS_OK=0; fi
   say "   ${CHECK[$name]}  ($((SECONDS - t0))s)"
 }
 
-# FSDP over a 1-rank group with channels_last on: the runtime's own place_model + wrap_model.
-fsdp_channels_last() {
-  timeout -k 10 "$1" "$PY" - "$DEVICE" "$MODEL" "$SIZE" "$CLASSES" "$FSDP_BATCH" "$FSDP_STEPS" <<'PYEOF'
+# Issue 28 bug 1: the runtime's fused SGD + GradScaler (fp16); the first step overflows, then good steps. The
+# momentum buffers must be zero after the skipped step, every parameter finite at the end and equal to plain SGD's.
+fused_sgd_overflow() {
+  timeout -k 10 "$1" "$PY" - "$DEVICE" "$MODEL" "$SIZE" "$CLASSES" "$FUSED_BATCH" "$FUSED_STEPS" <<'PYEOF'
+import sys
+import torch
+from cyclone_kit.config.job import TrainConfig
+from cyclone_kit.runtime.models import build_model
+from cyclone_kit.runtime.train import make_optimizer, nonfinite_params, optimizer_step, place_model, use_fused_sgd
+kind, model_name, size, classes, batch, steps = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+dev = torch.device("cuda:0" if kind == "cuda" else "cpu")
+# On CUDA the engine's own choice (DDP on a GPU: fused); the CPU dry run forces torch's CPU fused kernel.
+fused = use_fused_sgd("ddp", kind) or kind == "cpu"
+tc = TrainConfig(momentum=0.9, weight_decay=5e-4)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(batch, 3, size, size, generator=g).to(dev)
+y = torch.randint(0, classes, (batch,), generator=g).to(dev)
+if kind == "cuda":
+    x = x.to(memory_format=torch.channels_last)
+
+
+def run(how):
+    """how: runtime (make_optimizer, fused), plain (make_optimizer, not fused), stock (torch's fused SGD as is)."""
+    torch.manual_seed(0)
+    model = place_model(build_model(model_name, classes, size, 3), dev, "ddp", kind == "cuda")
+    if how == "stock":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=tc.momentum, weight_decay=tc.weight_decay,
+                              fused=True)
+    else:
+        opt = make_optimizer(model, 0.01, tc, fused=fused if how == "runtime" else False)
+    scaler = torch.amp.GradScaler(kind, init_scale=2.0 ** 16)
+    first = None
+    for i in range(steps):
+        with torch.autocast(device_type=kind, dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if i == 0:  # an overflow at the initial scale: found_inf, GradScaler skips the step
+            grad = next(model.parameters()).grad
+            grad[(0,) * grad.dim()] = float("inf")
+        optimizer_step(opt, scaler)
+        opt.zero_grad(set_to_none=True)
+        if i == 0:
+            bufs = [opt.state[p].get("momentum_buffer") for p in model.parameters()]
+            first = (scaler.get_scale(), sum(int(b is not None and bool(b.any())) for b in bufs))
+    bad = int(nonfinite_params(model.parameters()).item())
+    return model, first, bad, scaler.get_scale()
+
+
+runtime, (scale1, nonzero), bad, scale = run("runtime")
+plain, _, plain_bad, _ = run("plain")
+diff = sum(float((a.detach() - b.detach()).float().square().sum()) for a, b in zip(runtime.parameters(), plain.parameters()))
+norm = sum(float(b.detach().float().square().sum()) for b in plain.parameters())
+worst = (diff / max(norm, 1e-30)) ** 0.5  # |runtime - plain| / |plain| over all parameters together
+_, _, stock_bad, _ = run("stock")
+print(f"{model_name}, fused SGD {fused}, fp16 + GradScaler, {steps} steps, the first overflowed: scale after it "
+      f"{scale1:g} (2^16 halved), non-zero momentum buffers after the skip {nonzero}, non-finite parameter tensors "
+      f"at the end {bad} (plain SGD {plain_bad}), relative difference to plain SGD {worst:.2e}, final scale {scale:g}")
+print(f"for information: torch's fused SGD without the runtime's zero-seeded buffers ends with {stock_bad} non-finite "
+      "parameter tensor(s) (what empty_like gave it: garbage, so this varies)")
+ok = fused and scale1 == 2.0 ** 15 and nonzero == 0 and bad == 0 and plain_bad == 0 and worst < 1e-2
+print("PASS" if ok else "FAIL: the overflowed first step left the fused optimizer's state or weights wrong")
+sys.exit(0 if ok else 1)
+PYEOF
+}
+
+# Issue 28 bug 2: FSDP over a 1-rank group, the runtime's own place_model + wrap_model, bf16 policy, channels_last
+# inputs, on a model with BatchNorm layers (FSDP2 casts weights, not running_mean/var).
+fsdp_bf16_batchnorm() {
+  timeout -k 10 "$1" "$PY" - "$DEVICE" "$FSDP_MODEL" "$SIZE" "$CLASSES" "$FSDP_BATCH" "$FSDP_STEPS" <<'PYEOF'
 import datetime, socket, sys, time
 import torch, torch.distributed as dist
 from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.models import build_model
 from cyclone_kit.runtime.plan import resolve_precision
-from cyclone_kit.runtime.train import fsdp_mixed_precision, place_model, wrap_model
+from cyclone_kit.runtime.train import fsdp_mixed_precision, nonfinite_params, place_model, wrap_model
 kind, model_name, size, classes, batch, steps = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
@@ -283,9 +365,13 @@ for i in range(steps + 2):
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 loss_value = float(loss.detach())
 rate = batch * steps / (time.perf_counter() - t0)
-print(f"fsdp world 1, channels_last inputs, sharded params contiguous, mixed precision "
-      f"{'none' if policy is None else policy.param_dtype}: loss {loss_value:.3f}, {rate:.1f} images/s")
+bad = int(nonfinite_params(model.parameters()).item())
+norms = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+print(f"fsdp world 1, {model_name} ({norms} BatchNorm layers), channels_last inputs, sharded params contiguous, "
+      f"mixed precision {'none' if policy is None else policy.param_dtype}: loss {loss_value:.3f}, "
+      f"{bad} non-finite parameter tensor(s), {rate:.1f} images/s")
 dist.destroy_process_group()
+sys.exit(0 if bad == 0 and loss_value == loss_value and abs(loss_value) != float("inf") else 1)
 PYEOF
 }
 
@@ -347,25 +433,26 @@ if rc != 0 or status != "preempted" or not ckpts:
 PYEOF
 }
 
-# The plan, in the order of ${STAGES[*]} (the figures first: a budget that runs out drops the checks).
+# The plan, in the order of ${STAGES[*]} (the bug-finding checks first: a budget that runs out drops figures).
+check fused_sgd_overflow 150 30 fused_sgd_overflow
+check fsdp_bf16_batchnorm 120 30 fsdp_bf16_batchnorm
+check imagefolder_sigterm 120 40 imagefolder_sigterm
+if "$PY" -c 'import horovod.torch' >/dev/null 2>&1; then
+  stage horovod_channels_last 90 30 runtime --set train.strategy=horovod
+else
+  say "-- horovod_channels_last: n/a (import horovod.torch fails here: Horovod is not installed, and it comes as no wheel); stages left: $(left_after horovod_channels_last)"
+  RATE[horovod_channels_last]=""
+fi
+stage runtime_fp16 90 30 runtime --set train.precision=fp16
 stage bare_eager 90 30 bare --steps "$EAGER_STEPS"
 stage runtime_eager 90 30 runtime
+stage bare_ddp_nccl_eager 90 30 bare --steps "$EAGER_STEPS" --ddp
 if [[ "$DO_COMPILE" == 1 ]]; then
   stage bare_compile 150 60 bare --steps "$COMPILE_STEPS" --compile
   stage runtime_compile 150 60 runtime --set train.compile=true --set "train.steps=$COMPILE_STEPS"
 else
   say "-- compile stages: skipped (CK_GPU_CHECK_COMPILE=0)"
   RATE[bare_compile]=""; RATE[runtime_compile]=""
-fi
-stage runtime_fp16 90 30 runtime --set train.precision=fp16
-stage bare_ddp_nccl_eager 90 30 bare --steps "$EAGER_STEPS" --ddp
-check fsdp_channels_last 120 30 fsdp_channels_last
-check imagefolder_sigterm 120 40 imagefolder_sigterm
-if "$PY" -c 'import horovod.torch' >/dev/null 2>&1; then
-  stage horovod_channels_last 90 30 runtime --set train.strategy=horovod
-else
-  say "-- horovod_channels_last: n/a (import horovod.torch fails here: Horovod is not installed, and it comes as no wheel)"
-  RATE[horovod_channels_last]=""
 fi
 
 # ratio NAME_A NAME_B: RATE[A] / RATE[B] to 3 decimals, or n/a when either is missing.
@@ -401,21 +488,23 @@ else:
 EOF
 )
 say "   $EXPECT"
-say "   FSDP world 1 + channels_last: ${CHECK[fsdp_channels_last]}   ImageFolder workers + SIGTERM -> preempted + checkpoint: ${CHECK[imagefolder_sigterm]}"
+say "   fused SGD + GradScaler, overflowed first step -> finite parameters: ${CHECK[fused_sgd_overflow]}   FSDP world 1 + bf16 + BatchNorm ($FSDP_MODEL) + channels_last: ${CHECK[fsdp_bf16_batchnorm]}"
+say "   ImageFolder workers + SIGTERM -> preempted + checkpoint: ${CHECK[imagefolder_sigterm]}"
 
 "$PY" - "$WORK/gpu_check.json" "$MODEL" "$BATCH" "$CPU_MODE" "$SECONDS" \
   "${RATE[bare_eager]:-}" "${RATE[runtime_eager]:-}" "${RATE[bare_ddp_nccl_eager]:-}" \
   "${RATE[bare_compile]:-}" "${RATE[runtime_compile]:-}" "${RATE[runtime_fp16]:-}" \
-  "${RATE[horovod_channels_last]:-}" "${CHECK[fsdp_channels_last]}" "${CHECK[imagefolder_sigterm]}" \
+  "${RATE[horovod_channels_last]:-}" "${CHECK[fused_sgd_overflow]}" "${CHECK[fsdp_bf16_batchnorm]}" "${CHECK[imagefolder_sigterm]}" \
   "$EXPECT" "${STAGES[*]}" "${NOT_POSSIBLE[@]}" <<'EOF'
 import json, sys
 path, model, batch, cpu, secs, *rest = sys.argv[1:]
-rates, checks, expect, stages, not_possible = rest[:7], rest[7:9], rest[9], rest[10].split(), rest[11:]
+rates, checks, expect, stages, not_possible = rest[:7], rest[7:10], rest[10], rest[11].split(), rest[12:]
 names = ["bare_eager", "runtime_eager", "bare_ddp_nccl_eager", "bare_compile", "runtime_compile", "runtime_fp16",
          "horovod_channels_last"]
 json.dump({"model": model, "batch": int(batch), "cpu_mode": cpu == "1", "seconds": int(secs), "stages": stages,
            "images_per_s": {n: (float(r) if r else None) for n, r in zip(names, rates)},
-           "checks": dict(zip(["fsdp_channels_last", "imagefolder_sigterm"], checks)), "expected": expect,
+           "checks": dict(zip(["fused_sgd_overflow", "fsdp_bf16_batchnorm", "imagefolder_sigterm"], checks)),
+           "expected": expect,
            "not_possible_on_one_gpu": not_possible}, open(path, "w"), indent=1)
 EOF
 if [[ -n "${OUT:-}" ]]; then

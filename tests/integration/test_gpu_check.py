@@ -53,6 +53,17 @@ def test_preflight_names_every_missing_package_and_runs_no_stage(tmp_path: Path)
     assert "no stage was run" in proc.stdout and "-- bare_eager" not in proc.stdout
 
 
+def test_the_stage_plan_runs_the_bug_finding_checks_first_and_the_compile_figures_last() -> None:
+    """Issue 28: a budget that runs out (or a device call cut short) drops figures, never a check."""
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--list-stages"], cwd=REPO,
+                          capture_output=True, text=True, timeout=PREFLIGHT_HANG_S)
+    assert proc.returncode == 0, proc.stderr
+    stages = re.findall(r"^stage: (\S+)$", proc.stdout, re.M)
+    assert stages[:3] == ["fused_sgd_overflow", "fsdp_bf16_batchnorm", "imagefolder_sigterm"]
+    assert stages[-2:] == ["bare_compile", "runtime_compile"] and len(stages) == len(set(stages)) == 10
+    assert subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_check.sh")], timeout=60).returncode == 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(GPU_CHECK_HANG_S + 120)
 def test_cpu_dry_run_on_a_torch_only_python_with_a_wheelhouse(tmp_path: Path) -> None:
@@ -84,10 +95,12 @@ def test_cpu_dry_run_on_a_torch_only_python_with_a_wheelhouse(tmp_path: Path) ->
     assert "not possible on one GPU: pipeline_2_stages" in proc.stdout
     figures = json.loads((out / "gpu_check.json").read_text())
     rates = figures["images_per_s"]
-    assert figures["cpu_mode"] is True and figures["stages"][:2] == ["bare_eager", "runtime_eager"]
+    assert figures["cpu_mode"] is True and figures["stages"][:2] == ["fused_sgd_overflow", "fsdp_bf16_batchnorm"]
     assert all(rates[k] and rates[k] > 0 for k in ("bare_eager", "runtime_eager", "bare_ddp_nccl_eager",
                                                    "runtime_fp16"))
-    assert figures["checks"] == {"fsdp_channels_last": "PASS", "imagefolder_sigterm": "PASS"}
+    assert figures["checks"] == {"fused_sgd_overflow": "PASS", "fsdp_bf16_batchnorm": "PASS", "imagefolder_sigterm": "PASS"}
+    assert re.search(r"^-- fused_sgd_overflow \(timeout \d+s\); stages left after it: fsdp_bf16_batchnorm ", proc.stdout, re.M)
+    assert "resnet18 (20 BatchNorm layers)" in proc.stdout and "relative difference to plain SGD" in proc.stdout
     assert any(n.startswith("pipeline_2_stages") for n in figures["not_possible_on_one_gpu"])
     assert (out / "metrics-runtime_eager.jsonl").is_file()
     # nothing was installed into the Python itself: the wheels went to the run's own folder, now gone
