@@ -175,6 +175,7 @@ def test_requeue_signal_stops_every_rank_at_one_step_and_the_run_resumes_exactly
         holds.go()
         finish(proc, run_dir)
     finally:
+        holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
         if proc.poll() is None:
             proc.kill()
     (end,) = records(run_dir, "end")

@@ -220,6 +220,7 @@ def test_sigkill_of_a_rank_mid_run_ends_the_run_within_seconds(tmp_path: Path) -
         _, err = proc.communicate(timeout=HANG_GUARD_S)
         exit_s = time.monotonic() - killed_at
     finally:
+        holds.go()  # a rank 0 the launcher failed to stop must not stay held forever
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -145,6 +145,7 @@ def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: P
         stop_s = time.monotonic() - sent
         code, out, err = run.finish(timeout=TIMEOUT_S)
     finally:
+        holds.go()
         run.cleanup()
     print(f"{sig.name} to the launcher: every rank gone {stop_s:.2f} s later; launcher exit {code}")
     assert code != -sig and not orphans, (
@@ -201,6 +202,8 @@ def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: P
             time.sleep(0.002)
         code, _out, err = run.finish(timeout=TIMEOUT_S)
     finally:
+        holds.go()
+        holds.release()
         run.cleanup()
     print(f"signal storm: {sent} rounds of signals to 2 ranks, {during_write} of them while the checkpoint "
           f"was being written; launcher exit {code}")
