@@ -16,3 +16,19 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "cyclone_kit", *args], cwd=cwd or REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout, input=input)
+
+
+def run_dir_of(stdout: str) -> Path:
+    """The ``run dir: PATH`` that ``run``/``submit`` print first."""
+    import re
+
+    match = re.search(r"^run dir: (.+)$", stdout, re.MULTILINE)
+    assert match, stdout
+    return Path(match.group(1))
+
+
+def jsonl_records(path: Path) -> list[dict]:
+    """Every record of a JSON-lines file (blank lines skipped)."""
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -5,13 +5,12 @@ script's own location (item 1)."""
 from __future__ import annotations
 
 import json
-import re
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import REPO, run_cli
+from tests.helpers.cli import REPO, jsonl_records, run_cli, run_dir_of
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +28,7 @@ NANOGPT_BRANCH = textwrap.dedent("""
 """)
 
 
-def _run_dir(stdout: str) -> Path:
-    match = re.search(r"^run dir: (.+)$", stdout, re.MULTILINE)
-    assert match, stdout
-    return Path(match.group(1))
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+_run_dir, _records = run_dir_of, jsonl_records
 
 
 def _branch(tmp_path: Path, *flags: str) -> str:

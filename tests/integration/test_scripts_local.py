@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.config.script import sha256_hex
-from tests.helpers.cli import REPO, run_cli
+from tests.helpers.cli import REPO, jsonl_records, run_cli, run_dir_of
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +22,7 @@ EXAMPLES = REPO / "examples"
 TIMEOUT_S = 240  # a hang guard per command (>= 5x the slowest seen on 2 busy cores, ~40 s), not a bound
 
 
-def _run_dir(stdout: str) -> Path:
-    match = re.search(r"^run dir: (.+)$", stdout, re.MULTILINE)
-    assert match, stdout
-    return Path(match.group(1))
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+_run_dir, _records = run_dir_of, jsonl_records
 
 
 def _rank_lines(run_dir: Path, prefix: str) -> list[str]:
