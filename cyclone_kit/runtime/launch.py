@@ -385,8 +385,6 @@ def _script_source(shim: ShimArgs) -> str:
         return ""
 
 
-
-
 def missing_variable_hint(exc: BaseException, world_size: int, dist_env: str) -> str:
     """The HINT for a world of one whose script failed reading a torchrun variable it was not given ('' else; pure)."""
     name = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
