@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cyclone_kit.config.job import JobSpec, apply_overrides, set_fields, spec_from_dict, spec_to_dict
+from cyclone_kit.config.job import DIST_ENV_CHOICES, JobSpec, apply_overrides, set_fields, spec_from_dict, spec_to_dict
 from cyclone_kit.config.profile import load_profile
 from cyclone_kit.config.toolbox import read_toml, reject_empty_strings
 from cyclone_kit.config.validate import ResolvedJob, resolve
@@ -65,7 +65,7 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live-code", action="store_true",
                         help="run the script file itself on every segment, not the run directory's snapshot "
                              "of it and its modules taken now")
-    parser.add_argument("--dist-env", choices=("auto", "torchrun"),
+    parser.add_argument("--dist-env", choices=DIST_ENV_CHOICES,
                         help="torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK ...) for a script's ranks: auto "
                              "(default) gives them to a world of two or more, none to a world of one, as python "
                              "SCRIPT; torchrun gives them to a world of one too, as torchrun --nproc 1")

@@ -306,8 +306,10 @@ def one_gpu_layout(environ: Mapping[str, str], local_rank: int, local_world_size
 def dist_env_choice(spec: Any, environ: Mapping[str, str]) -> str:
     """What this rank sees of torchrun's variables: ``script.dist_env`` of the run's spec, else
     ``CYCLONE_DIST_ENV`` (a shim started without a run directory), else ``auto`` (pure)."""
+    from cyclone_kit.config.job import DIST_ENV_CHOICES
+
     chosen = getattr(getattr(spec, "script", None), "dist_env", "") or environ.get("CYCLONE_DIST_ENV", "") or "auto"
-    return chosen if chosen in ("auto", "torchrun") else "auto"
+    return chosen if chosen in DIST_ENV_CHOICES else "auto"
 
 
 def exports_torchrun_variables(env: Any, dist_env: str, requires: bool = False) -> bool:
