@@ -23,7 +23,7 @@ cannot break down.
 Where things go: the run directory is ``ck.init(run_dir=...)``, else ``$CYCLONE_RUN_DIR`` (set by
 ``cyclone-kit run/submit`` and the sbatch templates), else a new ``./runs/<script>-<stamp>``
 (created by rank 0). Its ``spec.json``, when there is one, supplies ``[checkpoint]`` (keep,
-signal, requeue, max_requeues, poll_s) and ``train.log_every``; defaults otherwise.
+signal, requeue, max_requeues, poll_s, async_write) and ``train.log_every``; defaults otherwise.
 ``$CYCLONE_LOG_EVERY`` sets the steps per ``step`` record for a script job (whose spec has no [train]).
 
 Rules: :func:`init` first and once, :func:`finish` last; every rank calls every function the
@@ -360,20 +360,32 @@ def stop_requested() -> bool:
     return run.session.poll(run.polls) != NONE
 
 
-def save_checkpoint(state: Mapping[str, Any], step: int | None = None) -> Path | None:
+def save_checkpoint(state: Mapping[str, Any], step: int | None = None, *, blocking: bool | None = None) -> Path | None:
     """Save ``state`` as this run's checkpoint, atomically (call on every rank; rank 0 writes).
 
     The newest ``checkpoint.keep`` checkpoints are kept. :func:`load_checkpoint` gives the
     dict back. It may hold tensors and plain containers (``model.state_dict()``,
     ``optimizer.state_dict()``, ints, floats, strings, lists, dicts).
 
+    By default (``checkpoint.async_write = true``) the call returns once rank 0 has copied
+    ``state`` to host memory (every tensor cloned: later optimizer steps do not reach the file);
+    the file is written in a background thread while training goes on. The next call waits for
+    that write, and :func:`finish` (or the end of a failed run) finishes it; a write that failed
+    (a full disk) raises its error there, the same one-line error as a blocking save.
+
     Args:
         state: what to save (rank 0's copy is written).
         step: the step it belongs to (default: ``state["step"]`` when an int, else the last
             :func:`log_step`, else the number of :func:`stop_requested` calls).
+        blocking: True: the file is complete (checksum, rename) when the call returns; False:
+            written in the background; None (default): as the run's ``checkpoint.async_write`` says.
 
     Returns:
-        The checkpoint's path on rank 0, None on the other ranks.
+        The checkpoint's path on rank 0 (when written in the background: the path it will
+        have), None on the other ranks.
+
+    Raises:
+        DiskFullError: this checkpoint, or the previous one written in the background, found the disk full.
     """
     run = _require("save_checkpoint")
     if not isinstance(state, Mapping):
@@ -383,10 +395,13 @@ def save_checkpoint(state: Mapping[str, Any], step: int | None = None) -> Path |
         own = state.get("step")
         step = own if isinstance(own, int) and not isinstance(own, bool) else (
             run.last_step if run.last_step is not None else run.polls)
+    if blocking is not None and not isinstance(blocking, bool):
+        raise ApiUsageError(f"ck.save_checkpoint(blocking={blocking!r}) must be True, False or None",
+                            hint="blocking=True waits for the file; None follows checkpoint.async_write")
     from cyclone_kit.runtime.checkpoint import USER_STATE
 
     payload = {"step": int(step), USER_STATE: dict(state)} if run.ctx.is_main else None
-    return run.session.save(payload, int(step))
+    return run.session.save(payload, int(step), blocking=blocking)
 
 
 def finish(status: str | None = None) -> str:

@@ -175,6 +175,7 @@ class CheckpointConfig:
     poll_s: float = 0.5  # seconds between the ranks' stop-flag agreements (0: after every step)
     stall_floor_s: float = 60.0  # a rank with no step for max(this, stall_factor x median step) is stalled (0: off)
     stall_factor: float = 20.0
+    async_write: bool = True  # rank 0 copies the state to host memory at the step, writes it in a background thread
 
     def __post_init__(self) -> None:
         check_non_negative("checkpoint.every_steps", self.every_steps)

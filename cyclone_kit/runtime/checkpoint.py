@@ -12,6 +12,13 @@ Every checkpoint has a checksum file beside it (``ckpt-<step:09d>.pt.sha256``: t
 the bytes written, in ``sha256sum`` format), written before the checkpoint is renamed into
 place and verified before it is loaded: a flipped bit or a torn file is skipped with its
 reason, and the previous checkpoint is loaded instead (:func:`scan_latest`).
+
+Asynchronous writes (``checkpoint.async_write``, the default): :func:`snapshot` copies the state
+to host memory at the step boundary (every tensor cloned, every container rebuilt, so later
+optimizer steps cannot change what is written), and a :class:`BackgroundWriter` runs
+:func:`save_checkpoint` on that copy in one thread, under the same rules as above. At most one
+write is in flight: the next one waits for it (:meth:`BackgroundWriter.wait`), and a write that
+failed raises its error there, or at the end of the segment, as the synchronous write would have.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import hashlib
 import random
 import re
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +175,96 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
         if not digest.with_name(digest.name[: -len(DIGEST_SUFFIX)]).exists():
             digest.unlink(missing_ok=True)
     return final
+
+
+def snapshot(state: Any) -> Any:
+    """A copy of ``state`` in host memory that nothing the caller does later can change (pure).
+
+    Tensors are detached and copied to the CPU (a real copy, also for CPU tensors: a parameter's
+    or momentum buffer's storage is updated in place by the next optimizer step); dicts, lists and
+    tuples are rebuilt (a dict keeps its type and attributes, e.g. a state dict's ``_metadata``);
+    anything else (ints, floats, strings, None, ``torch.Size`` ...) is kept as it is.
+    """
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        out = state.copy()
+        for key, value in state.items():
+            out[key] = snapshot(value)
+        if getattr(state, "__dict__", None):
+            out.__dict__.update(state.__dict__)
+        return out
+    if isinstance(state, list):
+        return [snapshot(v) for v in state]
+    if type(state) is tuple:
+        return tuple(snapshot(v) for v in state)
+    return state
+
+
+@dataclass(frozen=True)
+class Waited:
+    """What :meth:`BackgroundWriter.wait` found: whether a write was still running, for how long it waited."""
+
+    busy: bool
+    seconds: float
+
+
+class BackgroundWriter:
+    """One checkpoint write at a time, in a background thread (rank 0's; see the module's notes).
+
+    The thread is not a daemon: an interpreter that exits normally finishes the write first. A
+    failure is kept and raised by the next :meth:`wait` (so by the next :meth:`start` too),
+    exactly once.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.step: int | None = None
+
+    @property
+    def busy(self) -> bool:
+        """True while a write is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, write: Callable[[], Any], step: int) -> Waited:
+        """Wait for the previous write (raising its failure), then run ``write()`` in the background.
+
+        Returns:
+            The wait for the previous write (``busy`` True: it was still running).
+        """
+        waited = self.wait()
+        self.step = step
+        self._thread = threading.Thread(target=self._run, args=(write,), name=f"cyclone-ckpt-{step}", daemon=False)
+        self._thread.start()
+        return waited
+
+    def _run(self, write: Callable[[], Any]) -> None:
+        try:
+            write()
+        except BaseException as e:  # kept for the caller's thread: a background failure is never silent
+            self._error = e
+
+    def wait(self, timeout_s: float | None = None, raise_error: bool = True) -> Waited:
+        """Wait for the write in flight (at most ``timeout_s`` seconds when given); raise its failure.
+
+        Raises:
+            DiskFullError: the background write found the disk full (the synchronous write's error).
+            Exception: whatever else the write raised (once; it is cleared).
+        """
+        busy = self.busy
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if not self._thread.is_alive():
+                self._thread = None
+        waited = Waited(busy, time.perf_counter() - t0)
+        error, self._error = self._error, None
+        if error is not None and raise_error:
+            raise error
+        if error is not None:
+            sys.stderr.write(f"cyclone_kit: warning: the checkpoint of step {self.step} was not written: {error}\n")
+        return waited
 
 
 def file_sha256(path: Path) -> str:

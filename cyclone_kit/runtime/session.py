@@ -83,6 +83,8 @@ class Session:
     nonfinite_run: int = 0
     nonfinite_warned: bool = False
     watch: Any = None
+    ckpt_writer: Any = None
+    ckpt_stats: dict[str, Any] = field(default_factory=dict)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -213,21 +215,84 @@ class Session:
             self.agreement.finish()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, state: dict[str, Any] | None, step: int, after_write: Any = None) -> Path | None:
+    def save(self, state: dict[str, Any] | None, step: int, after_write: Any = None,
+             blocking: bool | None = None) -> Path | None:
         """Rank 0 writes ``state`` as the checkpoint of ``step`` (atomic; the newest
         ``checkpoint.keep`` kept) and runs ``after_write(checkpoint_dir)`` if given; every rank
-        then waits for it (other ranks pass None). Call on every rank."""
+        then waits for it (other ranks pass None). Call on every rank.
+
+        Asynchronous (``blocking`` False; None: ``not checkpoint.async_write``): rank 0 first waits
+        for its previous write (raising its failure), copies ``state`` to host memory
+        (:func:`~cyclone_kit.runtime.checkpoint.snapshot`) and writes the copy in a background
+        thread; the ranks wait only for the copy. A save with ``after_write`` (the sharded formats,
+        whose shards every rank has just written) is always written before it returns.
+
+        Returns:
+            The checkpoint's path on rank 0 (asynchronous: the path it will have), None elsewhere.
+
+        Raises:
+            DiskFullError: this write, or the previous asynchronous one, found the disk full.
+        """
         from cyclone_kit.runtime import checkpoint as ckpt
 
+        if blocking is None:
+            blocking = not self.cc.async_write
+        blocking = blocking or after_write is not None
         path = None
         with self.not_a_step():
             if self.env.is_main and state is not None:
-                path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
-                print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
-                if after_write is not None:
-                    after_write(self.checkpoint_dir)
+                before = self.ckpt_writer.step if self.ckpt_writer is not None else None
+                waited = self.finish_checkpoint()  # at most one write in flight; a failed one raises here
+                if blocking:
+                    path = self._write_checkpoint(state, step, after_write)
+                else:
+                    t0 = time.perf_counter()
+                    copy = ckpt.snapshot(state)
+                    self._count("checkpoint_snapshot_s", time.perf_counter() - t0)
+                    if self.ckpt_writer is None:
+                        self.ckpt_writer = ckpt.BackgroundWriter()
+                    self.ckpt_writer.start(lambda: self._write_checkpoint(copy, step, None), step)
+                    self._count("checkpoints_async", 1)
+                    path = ckpt.checkpoint_path(self.checkpoint_dir, step)
+                if waited is not None and waited.busy:
+                    print(f"cyclone_kit: checkpoint of step {step} waited {waited.seconds:.2f} s for the write of "
+                          f"step {before} before it", flush=True)
             self.barrier()
         return path
+
+    def _write_checkpoint(self, state: dict[str, Any], step: int, after_write: Any) -> Path:
+        """Write one checkpoint now (rank 0, in the caller's thread or the background writer's)."""
+        from cyclone_kit.runtime import checkpoint as ckpt
+
+        path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
+        print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
+        if after_write is not None:
+            after_write(self.checkpoint_dir)
+        return path
+
+    def _count(self, name: str, value: float) -> None:
+        self.ckpt_stats[name] = self.ckpt_stats.get(name, 0) + value
+
+    def finish_checkpoint(self, raise_error: bool = True, timeout_s: float | None = None) -> Any:
+        """Wait for rank 0's checkpoint write in flight, if any (a no-op elsewhere); raise its failure.
+
+        Returns:
+            The :class:`~cyclone_kit.runtime.checkpoint.Waited` (None: no background writer yet).
+            A wait for a running write is counted for the ``end`` record (``checkpoint_waits``,
+            ``checkpoint_wait_s``).
+
+        Raises:
+            DiskFullError: the background write found the disk full (unless ``raise_error`` is
+                False: then a warning on stderr says which checkpoint was not written).
+        """
+        writer = self.ckpt_writer
+        if writer is None:
+            return None
+        waited = writer.wait(timeout_s=timeout_s, raise_error=raise_error)
+        if waited.busy:
+            self._count("checkpoint_waits", 1)
+            self._count("checkpoint_wait_s", waited.seconds)
+        return waited
 
     def load_latest(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
         """The newest loadable checkpoint of the run, chosen by rank 0 and loaded by every rank
@@ -301,13 +366,18 @@ class Session:
         for its summary (:mod:`cyclone_kit.runtime.power`), when measured."""
         if self.ended:
             return
+        if status == "failed":  # the failure is what matters: a write that fails too is only warned about
+            self.finish_checkpoint(raise_error=False, timeout_s=FAILED_WRITE_WAIT_S)
+        else:
+            with self.not_a_step():
+                self.finish_checkpoint()  # the last checkpoint (a stop's too) is complete before the end record
         self.ended = True
         if status != "failed" or not (self.watch and self.watch.stalled):
             self.stop_watch()
         wall = time.perf_counter() - self.t_start if wall_time_s is None else wall_time_s
         rate = mx.steady_state(self.global_rates)
         try:
-            self.write(mx.end_record(status, steps, rate, wall, mx.utc_now()))
+            self.write({**mx.end_record(status, steps, rate, wall, mx.utc_now()), **self._checkpoint_fields()})
         except DiskFullError as e:
             if status != "failed":
                 raise
@@ -337,10 +407,23 @@ class Session:
         if release_signals:  # after the requeue: Slurm's SIGTERM for the requeued job is only recorded
             self.stop_flag.uninstall()
 
+    def _checkpoint_fields(self) -> dict[str, Any]:
+        """The ``end`` record's account of asynchronous checkpoints (empty when there were none):
+        how many, the seconds spent copying them to host memory, and how many saves had to wait
+        for the previous write (and for how long)."""
+        stats = self.ckpt_stats
+        if not stats.get("checkpoints_async"):
+            return {}
+        return {"checkpoints_async": int(stats["checkpoints_async"]),
+                "checkpoint_snapshot_s": round(float(stats.get("checkpoint_snapshot_s", 0.0)), 6),
+                "checkpoint_waits": int(stats.get("checkpoint_waits", 0)),
+                "checkpoint_wait_s": round(float(stats.get("checkpoint_wait_s", 0.0)), 6)}
+
     def close(self) -> None:
         """Tear down: wait for an outstanding stop reduce, then (when the session created it) a
         barrier and the process group destroyed (a gloo group left alive at exit can abort), and
-        the signal handlers restored."""
+        the signal handlers restored. A checkpoint write still in flight is finished first."""
+        self.finish_checkpoint(raise_error=False)
         self.settle()
         if self.owns_group:
             import torch.distributed as dist
@@ -350,6 +433,11 @@ class Session:
                 dist.destroy_process_group()
             self.owns_group = False
         self.stop_flag.uninstall()
+
+
+#: How long a failing segment waits for its checkpoint write in flight (a hung file system must not
+#: keep a failed or stalled rank from exiting; a write cut short never loads as good).
+FAILED_WRITE_WAIT_S = 120.0
 
 
 def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: CheckpointConfig, *,

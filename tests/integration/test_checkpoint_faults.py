@@ -112,7 +112,7 @@ FILLER = """
     ck.init(log_every=1)
     state = {"w": torch.arange(20000, dtype=torch.float32)}  # ~80 KB a checkpoint
     ck.log_step(1, samples=4, loss=1.0)
-    ck.save_checkpoint({**state, "step": 1})
+    ck.save_checkpoint({**state, "step": 1}, blocking=True)  # on disk before the other writer fills it
     with open(os.path.join(os.environ["FILL_DIR"], "filler"), "ab", buffering=0) as f:  # another writer takes the rest
         try:
             while True:
@@ -120,7 +120,7 @@ FILLER = """
                 f.flush()
         except OSError:
             pass
-    if where == "ckpt":
+    if where == "ckpt":  # written in the background (checkpoint.async_write): its failure surfaces at ck.finish()
         ck.save_checkpoint({**state, "step": 2})
     else:  # the metrics file's last block has room for a few lines more: log until it is full too
         for step in range(2, 10000):
