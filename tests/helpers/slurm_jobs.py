@@ -22,12 +22,17 @@ SMOKE = str(REPO / "jobs" / "smoke.toml")
 HANG_S = 300.0
 
 
-def submit_smoke(runs_dir: Path, *args: str, sets: tuple[str, ...] = ()) -> tuple[str, Path]:
-    """``python -m cyclone_kit submit jobs/smoke.toml --profile local --partition cpu ARGS``; (job id, run dir)."""
+def submit_smoke(runs_dir: Path, *args: str, sets: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> tuple[str, Path]:
+    """``python -m cyclone_kit submit jobs/smoke.toml --profile local --partition cpu ARGS``; (job id, run dir).
+
+    ``env`` is added to submit's environment, which sbatch passes on to the job's ranks (e.g. the
+    ``PYTHONPATH`` of :func:`tests.helpers.slow_parts.slow_parts_env`).
+    """
     argv = ["submit", SMOKE, "--profile", "local", "--partition", "cpu", "--runs-dir", str(runs_dir), *args]
     for item in sets:
         argv += ["--set", item]
-    result = run_cli(*argv, timeout=HANG_S)
+    result = run_cli(*argv, timeout=HANG_S, env=env)
     assert result.returncode == 0, result.stderr
     return parse_submit_output(result.stdout)
 

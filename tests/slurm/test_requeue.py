@@ -1,19 +1,20 @@
 """Requeue on the wall-time limit, on the real local Slurm cluster (issue 4, "done when" bullet 3).
 
 Two jobs/smoke.toml jobs run side by side on 2 nodes x 1 task. Neither depends on how fast the
-machine trains (issue 12):
+machine trains (issues 12, 27):
 
-* the requeued job (max_requeues=3, 600 steps, a long time limit) is stopped by the test itself:
-  as soon as its first step record appears, ``scancel --signal=USR2`` sends the requeue signal to
-  its ranks, exactly as the ``#SBATCH --signal=USR2@LEAD`` would. It checkpoints, runs ``scontrol
-  requeue`` and exits; Slurm starts it again (SLURM_RESTART_COUNT=1), it resumes from the
-  checkpoint and completes. The step records (log_every=1) must show every optimizer step exactly
-  once across both segments.
+* the requeued job (max_requeues=3, a long time limit) is stopped by the test itself, at a moment
+  the test makes: both ranks wait after optimizer step HOLD_STEP (tests/helpers/slow_parts.py) until
+  ``scancel --signal=USR2`` (exactly what the ``#SBATCH --signal=USR2@LEAD`` would send) has reached
+  them, then go on. It checkpoints, runs ``scontrol requeue`` and exits; Slurm starts it again
+  (SLURM_RESTART_COUNT=1, never held), it resumes from the checkpoint and completes. The step
+  records (log_every=1) must show every optimizer step exactly once across both segments.
 * the genuine path: the max_requeues=0 job has ``--time 3`` and ``signal_lead_s=60``, so Slurm
-  itself signals it 60-120 s after the start, and a step count no machine can finish in that time.
-  It checkpoints, ends "preempted" and is not requeued.
+  itself signals it 60-120 s after the start. Each of its steps sleeps STEP_DELAY_S (a floor on
+  step time that costs no core: the cores stay free for the other job and tier), so its step count
+  cannot be finished by then on any machine. It checkpoints, ends "preempted" and is not requeued.
 
-Both take about 2.5 minutes together (Slurm holds a requeued job cred_expire seconds: 10 on the local cluster).
+Both take about 2 minutes together, most of it the wait for Slurm's own signal.
 """
 
 from __future__ import annotations
@@ -30,18 +31,22 @@ from cyclone_kit.core.proc import run_command
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.slurm.parse import parse_scontrol_job, select_job
 from cyclone_kit.slurm.states import JobState
-from tests.helpers.slurm_jobs import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
+from tests.helpers.slow_parts import hold_files, slow_parts_env
+from tests.helpers.slurm_jobs import cancel_quietly, read_records, submit_smoke, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-STEPS = 600
+STEPS = 40
+#: the requeued job's ranks wait after this optimizer step until the test's signal reached both
+HOLD_STEP = 3
 #: the genuine #SBATCH --signal path: Slurm signals 60-120 s after the start (it may signal up to
-#: 60 s early), long before this many steps can be done on any machine
-GENUINE_STEPS = 1_000_000
+#: 60 s early); at STEP_DELAY_S or more per step these steps take at least 50 minutes
+GENUINE_STEPS = 10_000
+STEP_DELAY_S = 0.3
 COMMON = ("--nodes", "2", "--ntasks-per-node", "1")
 DRIVEN = (*COMMON, "--time", "15")
 GENUINE = (*COMMON, "--time", "3")
-SETS = ("train.log_every=1",)
+SETS = ("train.log_every=1", "checkpoint.poll_s=0")
 #: hang guards only (a broken job); every wait is for an event
 HANG_S = 900
 
@@ -68,19 +73,26 @@ def jobs(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     """Submit both jobs at once; signal the requeued one once it trains; wait for both to end."""
     backend = SlurmBackend()
     runs = tmp_path_factory.mktemp("requeue")
-    requeued = submit_smoke(runs, *DRIVEN, sets=(*SETS, f"train.steps={STEPS}"))
+    parts = tmp_path_factory.mktemp("requeue-holds")
+    holds = hold_files(parts)
+    requeued = submit_smoke(runs, *DRIVEN, sets=(*SETS, f"train.steps={STEPS}"),
+                            env=slow_parts_env(parts, hold_step=HOLD_STEP))
     limited = submit_smoke(runs, *GENUINE, sets=(*SETS, f"train.steps={GENUINE_STEPS}", "checkpoint.signal_lead_s=60",
-                                                 "checkpoint.max_requeues=0"))
+                                                 "checkpoint.max_requeues=0"),
+                           env=slow_parts_env(tmp_path_factory.mktemp("genuine"), step_delay_s=STEP_DELAY_S))
     submitted = time.monotonic()
     try:
-        wait_for(lambda: steps_logged(requeued[1]) > 0, HANG_S, "the requeued job's first step record", poll=0.05)
+        wait_for(lambda: holds.at(HOLD_STEP, range(2)), HANG_S, f"both ranks held after step {HOLD_STEP}", poll=0.2)
         run_command(["scancel", "--signal=USR2", requeued[0]], timeout=60)
         signalled = time.monotonic()
+        wait_for(lambda: holds.signalled(range(2)), HANG_S, "the signal to reach both ranks", poll=0.2)
+        holds.go()
         wait_for(lambda: _ends(requeued[1]), HANG_S, "the first segment to stop on the signal", poll=0.2)
         requeued_info = backend.wait(requeued[0], timeout=HANG_S)
         limited_info = backend.wait(limited[0], timeout=HANG_S)
         done = time.monotonic()
     finally:
+        holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
         cancel_quietly(backend, requeued[0])
         cancel_quietly(backend, limited[0])
     print(f"requeue job {requeued[0]}: signalled {signalled - submitted:.1f} s after submission, "
@@ -98,7 +110,8 @@ def test_signalled_job_checkpoints_requeues_resumes_and_completes(jobs: dict[str
     assert [s["restart_count"] for s in starts] == [0, 1], starts
     assert [s["slurm_job_id"] for s in starts] == [job_id, job_id]
     stopped_at = ends[0]["steps"]
-    assert 0 < stopped_at < STEPS, "the signal came after the run had finished: nothing was tested"
+    # checkpoint.poll_s 0: the flag raised while held goes into the next step's agreement
+    assert HOLD_STEP <= stopped_at <= HOLD_STEP + 3, f"held after step {HOLD_STEP}, stopped after {stopped_at}"
     assert starts[1]["start_step"] == stopped_at, "the second segment resumed from the signal's checkpoint"
     assert ends[1]["steps"] == STEPS
     steps = [r["step"] for r in records if r["kind"] == "step"]
