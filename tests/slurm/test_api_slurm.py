@@ -1,10 +1,10 @@
 """A user script on the public API, on the real local Slurm cluster (issue 14, "done when" bullet 2).
 
 examples/ddp_ck.py runs as a 2-node x 1-task job (srun, gloo) from a hand-written sbatch script,
-the way a user would write one. Once it has logged its first steps the test sends the requeue
-signal to its tasks (``scancel --signal=USR2``: what ``#SBATCH --signal=USR2@LEAD`` makes Slurm
-do before the time limit, here sent when the test sees training, so the outcome does not depend
-on the machine's speed). Both ranks stop after the same step, rank 0 checkpoints and runs
+the way a user would write one. Both ranks wait after optimizer step HOLD_STEP
+(tests/helpers/slow_parts.py, on the job's PYTHONPATH) until the test's requeue signal has reached
+them (``scancel --signal=USR2``: what ``#SBATCH --signal=USR2@LEAD`` makes Slurm do before the
+time limit), so the signal lands mid-run at any machine speed. Both ranks stop after the same step, rank 0 checkpoints and runs
 ``scontrol requeue``; Slurm starts the job again (SLURM_RESTART_COUNT=1), ``ck.load_checkpoint()``
 resumes it and it completes: every optimizer step logged exactly once across both segments.
 
@@ -28,12 +28,26 @@ from cyclone_kit.core.proc import run_command
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
+from tests.helpers.slow_parts import hold_files, slow_parts_env
 from tests.helpers.slurm_jobs import cancel_quietly, parse_submit_output, read_records, wait_for
 
 #: pytest-timeout of a test: its own waits (first steps, a requeue, a resume) are each bounded below it.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 1000
+STEPS = 40
+#: both ranks wait after this optimizer step of the first segment until the signal reached them
+HOLD_STEP = 3
+
+
+def signal_while_held(job_id: str, run_dir: Path, holds: Any) -> None:
+    """Once both ranks are held after HOLD_STEP, send the requeue signal; let them go once both got it."""
+    try:
+        wait_for(lambda: holds.at(HOLD_STEP, range(2)), 300, f"both ranks held after step {HOLD_STEP}", poll=0.1)
+        run_command(["scancel", "--signal=USR2", job_id], timeout=30)
+        wait_for(lambda: holds.signalled(range(2)), 120, "the signal to reach both ranks", poll=0.1)
+    finally:
+        holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
+    wait_for(lambda: [r for r in read_records(run_dir) if r["kind"] == "end"], 120, "the stop", poll=0.2)
 
 
 def sbatch_script(run_dir: Path) -> str:
@@ -67,13 +81,12 @@ def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once
     (run_dir / "spec.json").write_text(json.dumps({"train": {"log_every": 1}, "checkpoint": {"poll_s": 0}}))
     script = tmp_path / "job.sbatch"
     script.write_text(sbatch_script(run_dir))
-    job_id = run_command(["sbatch", "--parsable", str(script)], timeout=60).stdout.strip().split(";")[0]
+    holds = hold_files(tmp_path / "parts")
+    env = slow_parts_env(tmp_path / "parts", hold_step=HOLD_STEP)  # sbatch passes its environment on
+    job_id = run_command(["sbatch", "--parsable", str(script)], timeout=60, env=env).stdout.strip().split(";")[0]
     backend = SlurmBackend()
     try:
-        wait_for(lambda: len([r for r in read_records(run_dir) if r["kind"] == "step"]) >= 3, 180,
-                 "the first steps", poll=0.1)
-        run_command(["scancel", "--signal=USR2", job_id], timeout=30)
-        wait_for(lambda: [r for r in read_records(run_dir) if r["kind"] == "end"], 120, "the stop", poll=0.2)
+        signal_while_held(job_id, run_dir, holds)
         info = backend.wait(job_id, timeout=300)
     finally:
         cancel_quietly(backend, job_id)
@@ -84,7 +97,7 @@ def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once
     assert info.state is JobState.COMPLETED, (info, out[-3000:])
     assert [e["status"] for e in ends] == ["preempted", "completed"], (ends, out[-3000:])
     stopped = ends[0]["steps"]
-    assert 0 < stopped < STEPS, "the signal came after the run had finished: nothing was tested"
+    assert HOLD_STEP <= stopped <= HOLD_STEP + 3, f"held after step {HOLD_STEP}, stopped after {stopped}"
     assert [s["restart_count"] for s in starts] == [0, 1]
     assert [s["slurm_job_id"] for s in starts] == [job_id, job_id]
     assert [s["world_size"] for s in starts] == [2, 2] and starts[0]["hostnames"] == ["c1", "c2"]
@@ -101,19 +114,18 @@ def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once
 
 def test_ddp_ck_submitted_by_cyclone_kit_is_requeued_and_resumes_every_step_once(
         slurm_cluster: dict[str, str], tmp_path: Path) -> None:
-    steps = 1000
+    steps = STEPS
+    holds = hold_files(tmp_path / "parts")
     result = run_cli("submit", str(REPO / "examples" / "ddp_ck.py"), "--profile", "local", "--partition", "cpu",
                      "--nodes", "2", "--ntasks-per-node", "1", "--time", "00:10:00", "--runs-dir", str(tmp_path),
                      "--set", "checkpoint.poll_s=0", "--", "--steps", str(steps), "--batch-size", "32",
-                     env={"CYCLONE_LOG_EVERY": "1"}, timeout=60)
+                     env={"CYCLONE_LOG_EVERY": "1", **slow_parts_env(tmp_path / "parts", hold_step=HOLD_STEP)},
+                     timeout=60)
     assert result.returncode == 0, result.stderr
     job_id, run_dir = parse_submit_output(result.stdout)
     backend = SlurmBackend()
     try:
-        wait_for(lambda: len([r for r in read_records(run_dir) if r["kind"] == "step"]) >= 3, 180,
-                 "the first steps", poll=0.1)
-        run_command(["scancel", "--signal=USR2", job_id], timeout=30)
-        wait_for(lambda: [r for r in read_records(run_dir) if r["kind"] == "end"], 120, "the stop", poll=0.2)
+        signal_while_held(job_id, run_dir, holds)
         info = backend.wait(job_id, timeout=300)
     finally:
         cancel_quietly(backend, job_id)
@@ -124,7 +136,7 @@ def test_ddp_ck_submitted_by_cyclone_kit_is_requeued_and_resumes_every_step_once
     assert info.state is JobState.COMPLETED, (info, out[-3000:])
     assert [e["status"] for e in ends] == ["preempted", "completed"], (ends, out[-3000:])
     stopped = ends[0]["steps"]
-    assert 0 < stopped < steps, "the signal came after the run had finished: nothing was tested"
+    assert HOLD_STEP <= stopped <= HOLD_STEP + 3, f"held after step {HOLD_STEP}, stopped after {stopped}"
     assert [(s["restart_count"], s["world_size"], s["strategy"]) for s in starts] == [(0, 2, "script"), (1, 2, "script")]
     assert starts[1]["start_step"] == stopped
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, steps + 1)), "every step exactly once"
