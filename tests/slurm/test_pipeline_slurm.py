@@ -1,9 +1,10 @@
 """The pipeline (issue 24) as real jobs on the local Slurm cluster across c1 and c2, requeued once.
 
 Two ResNet-18 (32 px) jobs at once, 2 nodes x 2 tasks each: a pipeline of 4 stages (GPipe) and a
-2 x 2 layout (2 stages x 2 replicas, 1F1B). As in test_requeue.py, the test sends the requeue
-signal itself as soon as a job's first step record appears (``scancel --signal=USR2``, what
-``#SBATCH --signal`` does): each checkpoints with torch.distributed.checkpoint, requeues, resumes
+2 x 2 layout (2 stages x 2 replicas, 1F1B). As in test_requeue.py, every rank of a job waits after
+optimizer step HOLD_STEP (tests/helpers/slow_parts.py) until the test's requeue signal has reached
+it (``scancel --signal=USR2``, what ``#SBATCH --signal`` does), so the signal lands mid-run at any
+machine speed: each checkpoints with torch.distributed.checkpoint, requeues, resumes
 on the recorded split and completes; every optimizer step appears exactly once. The scaling
 report over both runs then shows the bubble per stage against (P-1)/(M+P-1) and the balance.
 """
@@ -18,17 +19,22 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.slurm.states import JobState
-from tests.helpers.slurm_jobs import cancel_quietly, read_records, steps_logged, submit_smoke, wait_for
+from tests.helpers.slow_parts import hold_files, slow_parts_env
+from tests.helpers.slurm_jobs import cancel_quietly, read_records, submit_smoke, wait_for
 
 #: hang guard only (a broken job): 8 ResNet-18 ranks share 2 cores here; every wait is for an event
 HANG_S = 1200
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2 * HANG_S)]
 
-STEPS = 16
+STEPS = 8
+#: every rank of the first segment waits after this optimizer step until the signal reached it
+HOLD_STEP = 2
+RANKS = range(4)
 COMMON = ("--nodes", "2", "--ntasks-per-node", "2", "--time", "20")
 SETS = ("train.strategy=pipeline", "train.model=resnet18", "train.image_size=32", "train.batch_size=8",
-        "train.microbatches=4", "train.log_every=1", f"train.steps={STEPS}", "train.val_samples=16")
+        "train.microbatches=4", "train.log_every=1", f"train.steps={STEPS}", "train.val_samples=16",
+        "checkpoint.poll_s=0")
 LAYOUTS = {"4 stages": ("train.pipeline_stages=4", "train.pipeline_schedule=gpipe"),
            "2x2": ("train.pipeline_stages=2", "train.pipeline_schedule=1f1b")}
 
@@ -42,16 +48,26 @@ def jobs(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     """Submit both; signal each once it trains; wait for both to end."""
     backend = SlurmBackend()
     runs = tmp_path_factory.mktemp("pipeline")
-    submitted = {name: submit_smoke(runs, *COMMON, sets=(*SETS, *extra)) for name, extra in LAYOUTS.items()}
+    parts = {name: tmp_path_factory.mktemp("parts") for name in LAYOUTS}
+    holds = {name: hold_files(folder) for name, folder in parts.items()}
+    submitted = {name: submit_smoke(runs, *COMMON, sets=(*SETS, *extra),
+                                    env=slow_parts_env(parts[name], hold_step=HOLD_STEP))
+                 for name, extra in LAYOUTS.items()}
     out: dict[str, Any] = {}
     try:
-        for job_id, run_dir in submitted.values():
-            wait_for(lambda d=run_dir: steps_logged(d) > 0, HANG_S, f"job {job_id}'s first step record", poll=0.1)
+        for name, (job_id, _run_dir) in submitted.items():
+            held = holds[name]
+            wait_for(lambda h=held: h.at(HOLD_STEP, RANKS), HANG_S, f"job {job_id}'s ranks held after step {HOLD_STEP}",
+                     poll=0.2)
             run_command(["scancel", "--signal=USR2", job_id], timeout=60)
+            wait_for(lambda h=held: h.signalled(RANKS), HANG_S, f"the signal to reach job {job_id}'s ranks", poll=0.2)
+            held.go()
         for name, (job_id, run_dir) in submitted.items():
             wait_for(lambda d=run_dir: _ends(d), HANG_S, f"job {job_id} to stop on the signal", poll=0.2)
             out[name] = (job_id, run_dir, backend.wait(job_id, timeout=HANG_S))
     finally:
+        for held in holds.values():
+            held.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
         for job_id, _ in submitted.values():
             cancel_quietly(backend, job_id)
     return out
@@ -68,7 +84,7 @@ def test_pipeline_job_requeues_resumes_and_runs_every_step_once(name: str, jobs:
     assert [e["status"] for e in ends] == ["preempted", "completed"], ends
     assert [s["restart_count"] for s in starts] == [0, 1]
     stopped_at = ends[0]["steps"]
-    assert 0 < stopped_at < STEPS, "the signal came after the run had finished: nothing was tested"
+    assert HOLD_STEP <= stopped_at <= HOLD_STEP + 3, f"held after step {HOLD_STEP}, stopped after {stopped_at}"
     assert starts[1]["start_step"] == stopped_at
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps == list(range(1, STEPS + 1)), "every optimizer step exactly once, in order, across the requeue"
