@@ -122,6 +122,11 @@ FILLER = """
             pass
     if where == "ckpt":  # written in the background (checkpoint.async_write): its failure surfaces at ck.finish()
         ck.save_checkpoint({**state, "step": 2})
+    elif where == "ckpt-next":  # ... or at the next save, which waits for it first
+        ck.save_checkpoint({**state, "step": 2})
+        ck.save_checkpoint({**state, "step": 3})
+    elif where == "ckpt-sync":  # checkpoint.async_write = false: the save itself fails
+        ck.save_checkpoint({**state, "step": 2}, blocking=True)
     else:  # the metrics file's last block has room for a few lines more: log until it is full too
         for step in range(2, 10000):
             ck.log_step(step, samples=4, loss=0.5)
@@ -129,7 +134,7 @@ FILLER = """
 """
 
 
-@pytest.mark.parametrize("where", ["ckpt", "metrics"])
+@pytest.mark.parametrize("where", ["ckpt", "ckpt-next", "ckpt-sync", "metrics"])
 def test_a_full_disk_gives_one_clear_line_and_leaves_the_older_checkpoint_intact(tmp_path: Path, where: str) -> None:
     script = tmp_path / "fill.py"
     script.write_text(textwrap.dedent(FILLER))
@@ -140,12 +145,13 @@ def test_a_full_disk_gives_one_clear_line_and_leaves_the_older_checkpoint_intact
         assert result.returncode == 1, out
         assert "Traceback" not in result.stderr, result.stderr
         run_dir = run_dir_of(result.stdout)
-        target = ckpt.checkpoint_path(run_dir / "checkpoints", 2) if where == "ckpt" else run_dir / "metrics.jsonl"
+        in_ckpt = where.startswith("ckpt")
+        target = ckpt.checkpoint_path(run_dir / "checkpoints", 2) if in_ckpt else run_dir / "metrics.jsonl"
         line = result.stderr.splitlines()[0]  # the root cause, from the rank's own line (it could write no record)
         assert line.startswith("error: rank 0 on host") and "no space left on the device" in line, line
-        assert f"writing {'checkpoint' if where == 'ckpt' else 'metrics'} {target}: it needs" in line, line
+        assert f"writing {'checkpoint' if in_ckpt else 'metrics'} {target}: it needs" in line, line
         assert "HINT: free space" in result.stderr
-        if where == "ckpt":
+        if in_ckpt:  # the same line whether the checkpoint was written in the background or not
             assert "the older checkpoints are intact" in line
             assert "KiB" in line.split("it needs", 1)[1].split(",")[0]  # the ~80 KB the checkpoint takes
         # The launcher could not write failure.json either: it says so instead of a traceback.

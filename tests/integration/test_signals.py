@@ -6,8 +6,9 @@
   the ranks like srun does, with the same outcome.
 * A storm of signals (USR2 and SIGTERM every 2 ms) at both ranks from the stop request until
   the stop checkpoint is in place: the checkpoint loads and the run resumes from it.
-* SIGKILL of the writing rank while a checkpoint is being written (ResNet-18, ~90 MB per
-  checkpoint): the previous checkpoint still loads and the run resumes from it.
+* SIGKILL of the writing rank while a checkpoint is being written in the background (ResNet-18,
+  ~90 MB per checkpoint; training went on meanwhile): the previous checkpoint still loads and the
+  run resumes from it.
 * The per-rank watchdog (cyclone_kit.runtime.watchdog) records a rank killed by a signal.
 
 tests/unit/test_checkpoint.py already kills a bare save loop; these kill real training runs.
@@ -227,7 +228,8 @@ def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previ
     """Rank 0 (the writer) is SIGKILLed while its temporary checkpoint file exists, after an earlier
     checkpoint is complete; the run fails, and the same run directory resumes from the earlier one.
     The moment is made (:mod:`tests.helpers.slow_parts`): the second checkpoint's write (step 2 x
-    every) is held before its fsync, and the kill lands while it is held."""
+    every), in the background thread, is held before its fsync while training goes on to step 3 x
+    every, and the kill lands while it is held."""
     total, every = 20, 5
     holds = hold_files(tmp_path / "hold")
     run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
@@ -241,6 +243,10 @@ def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previ
         assert [p.name for p in tmp] == [Path(line).name for line in
                                          (holds.folder / "writing").read_text().split()], tmp
         assert [s for s, _ in ck.list_checkpoints(ckpts)] == [every], "the first checkpoint is complete"
+        # Written in the background (checkpoint.async_write): training goes on to the next checkpoint,
+        # whose save waits for the held write; the kill lands during the asynchronous write.
+        wait_for(lambda: last_step(run.run_dir) >= 3 * every, TIMEOUT_S, "training to go on during the write")
+        assert [s for s, _ in ck.list_checkpoints(ckpts)] == [every], "the held write is still not in place"
         os.kill(pids[0], signal.SIGKILL)
         code, _out, err = run.finish(timeout=TIMEOUT_S)
     finally:

@@ -196,3 +196,60 @@ def test_ddp_static_graph_by_default_but_never_with_accumulation_or_compile() ->
     assert not use_static_graph(TrainConfig(grad_accum=2))  # no_sync + static graph: reducer assert
     assert not use_static_graph(TrainConfig(compile=True))
     assert not use_static_graph(TrainConfig(static_graph=False))
+
+
+# --------------------------------------------------------------------------- asynchronous writes
+def test_snapshot_is_a_real_copy_of_tensors_and_containers() -> None:
+    model = torch.nn.Linear(3, 2)
+    sd = model.state_dict()
+    state = {"model": sd, "lists": [torch.ones(2), {"n": 1}], "pair": (torch.zeros(1), "x"), "step": 4}
+    copy = ck.snapshot(state)
+    assert copy["model"]._metadata == sd._metadata and type(copy["model"]) is type(sd)  # load_state_dict needs it
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an optimizer step, in place
+    state["lists"][0].mul_(0)
+    state["lists"][1]["n"] = 2
+    state["lists"].append("later")
+    assert not torch.equal(copy["model"]["weight"], model.weight)
+    assert torch.equal(copy["lists"][0], torch.ones(2)) and copy["lists"][1] == {"n": 1} and len(copy["lists"]) == 2
+    assert copy["pair"][1] == "x" and copy["step"] == 4
+
+
+def test_background_writer_keeps_one_write_in_flight_and_raises_a_failure_once() -> None:
+    import threading
+
+    gate, order = threading.Event(), []
+    writer = ck.BackgroundWriter()
+    assert not writer.start(lambda: (gate.wait(), order.append(1)), 1).busy
+    assert writer.busy
+    threading.Thread(target=lambda: (time_wait(writer), gate.set())).start()
+    waited = writer.start(lambda: order.append(2), 2)  # waits for write 1 (released once this thread waits)
+    assert waited.busy and order[0] == 1
+    writer.wait()
+    assert order == [1, 2] and not writer.busy
+
+    def fail() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.start(fail, 3)
+    with pytest.raises(OSError, match="No space left"):
+        writer.start(lambda: None, 4)  # the next save raises the failed one's error ...
+    writer.wait()  # ... once: it was not started, nothing is pending
+    writer.start(fail, 5)
+    writer.wait(raise_error=False)  # a failing segment only warns
+
+
+def time_wait(writer: ck.BackgroundWriter) -> None:
+    """Return once the main thread is inside BackgroundWriter.wait (an event, read from its stack)."""
+    import sys
+    import threading
+    import time
+
+    main, code = threading.main_thread().ident, ck.BackgroundWriter.wait.__code__
+    while True:
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code is not code:
+            frame = frame.f_back
+        if frame is not None:
+            return
+        time.sleep(0.001)

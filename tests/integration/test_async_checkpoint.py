@@ -1,0 +1,106 @@
+"""Asynchronous checkpoints (``checkpoint.async_write``, the default), in a real process through the public API.
+
+The moments are made, never waited out: the script holds its background write on a gate (a
+``threading.Event`` in front of :func:`cyclone_kit.runtime.checkpoint.save_checkpoint`) and lets
+it go only once the test's condition holds (its state mutated; the next save waiting for it,
+read from the main thread's stack). The engine's side (a SIGKILL during a background write, the
+stop checkpoint complete at exit, the resumed trajectory) is in test_signals.py and test_ddp.py;
+a background write that finds the disk full, in test_checkpoint_faults.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cyclone_kit.runtime import checkpoint as ckpt
+from tests.helpers.cli import REPO, jsonl_records
+
+pytestmark = pytest.mark.slow
+
+#: Hang guard for one single-rank script of three saves (~5 s here), not a performance bound.
+TIMEOUT_S = 240
+
+SCRIPT = """
+    import json, sys, threading, time
+    import torch
+    import cyclone_kit as ck
+    from cyclone_kit.runtime import checkpoint as ckmod
+
+    gate, threads = threading.Event(), {}
+    original = ckmod.save_checkpoint
+
+    def gated(folder, state, step, keep):  # the background write starts only when the script says so
+        threads[step] = threading.current_thread() is threading.main_thread()
+        if not threads[step]:
+            gate.wait()
+        return original(folder, state, step, keep)
+
+    ckmod.save_checkpoint = gated
+
+    def release_when_the_next_save_waits():
+        main, code = threading.main_thread().ident, ckmod.BackgroundWriter.wait.__code__
+        while True:
+            frame = sys._current_frames().get(main)
+            while frame is not None and frame.f_code is not code:
+                frame = frame.f_back
+            if frame is not None:
+                return gate.set()
+            time.sleep(0.001)
+
+    ck.init(run_dir=sys.argv[1], log_every=1)
+    model = torch.nn.Linear(64, 8)
+    history = [1]
+    ck.log_step(1, samples=4, loss=1.0)
+    first = ck.save_checkpoint({"model": model.state_dict(), "history": history, "step": 1})
+    returned_before_written = not first.exists()
+    with torch.no_grad():  # later "optimizer steps" and bookkeeping, while the write is held
+        model.weight.add_(1.0)
+        model.bias.zero_()
+    history.append(2)
+    threading.Thread(target=release_when_the_next_save_waits).start()
+    ck.log_step(2, samples=4, loss=1.0)
+    ck.save_checkpoint({"model": model.state_dict(), "history": history, "step": 2})  # waits for the held write
+    ck.log_step(3, samples=4, loss=1.0)
+    third = ck.save_checkpoint({"model": model.state_dict(), "step": 3}, blocking=True)
+    complete_on_return = third.exists() and ckmod.digest_path(third).exists()
+    ck.finish()
+    print("RESULT " + json.dumps({"returned_before_written": returned_before_written,
+                                  "complete_on_return": complete_on_return,
+                                  "main_thread": {str(k): v for k, v in threads.items()}}), flush=True)
+"""
+
+
+def test_background_write_copies_the_state_waits_for_the_previous_write_and_says_so(tmp_path: Path) -> None:
+    script = tmp_path / "saves.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "spec.json").write_text(json.dumps({"checkpoint": {"keep": 3}}))  # ck.init reads [checkpoint]
+    proc = subprocess.run([sys.executable, str(script), str(run_dir)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    # steps 1 and 2 were written by the background thread, step 3 (blocking=True) by the caller
+    assert result["main_thread"] == {"1": False, "2": False, "3": True}, result
+    assert result["returned_before_written"] and result["complete_on_return"], result
+    folder = run_dir / "checkpoints"
+    one = ckpt.load_checkpoint(ckpt.checkpoint_path(folder, 1))["user_state"]
+    two = ckpt.load_checkpoint(ckpt.checkpoint_path(folder, 2))["user_state"]
+    # what was mutated after the first save returned (while its write was held) is not in its file
+    assert one["history"] == [1] and two["history"] == [1, 2]
+    assert torch.equal(two["model"]["weight"], one["model"]["weight"] + 1.0)
+    assert one["model"]["bias"].abs().sum() > 0 and not two["model"]["bias"].any()
+    # the second save waited for the first write: the console and the end record say so
+    assert "cyclone_kit: checkpoint of step 2 waited" in proc.stdout and "for the write of step 1" in proc.stdout
+    end = [r for r in jsonl_records(run_dir / "metrics.jsonl") if r["kind"] == "end"][-1]
+    assert end["status"] == "completed" and end["checkpoints_async"] == 2, end
+    assert end["checkpoint_waits"] >= 1 and end["checkpoint_wait_s"] > 0 and end["checkpoint_snapshot_s"] > 0, end
+    assert [s for s, _ in ckpt.list_checkpoints(folder)] == [3, 2, 1]
+    assert not list(folder.glob(".ckpt-*")), "no temporary file left"
