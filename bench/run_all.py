@@ -2,7 +2,7 @@
 
 ``make bench`` runs ``.venv/bin/python bench/run_all.py``. Benchmarks (each in its own process,
 one after the other, output streamed as it comes): cli_latency, analysis, overhead, phases_overhead, scaling_cpu,
-script_shim, api_cost, predict_accuracy (needs the local Slurm cluster; says so and skips without one).
+script_shim, api_cost, async_checkpoint, predict_accuracy (needs the local Slurm cluster; says so and skips without one).
 bench/gpu_check.sh needs an NVIDIA GPU and is not run here; the GPU section and the notes section
 of RESULTS.md (between the ``gpu-check`` / ``notes`` markers) are kept as they are when the file
 is rewritten.
@@ -71,7 +71,8 @@ def commands(is_quick: bool) -> dict[str, list[str]]:
     return {"cli_latency": cli, "analysis": analysis, "overhead": [py, str(BENCH / "overhead.py")],
             "phases_overhead": [py, str(BENCH / "phases_overhead.py")],
             "scaling_cpu": [py, str(BENCH / "scaling_cpu.py")], "script_shim": [py, str(BENCH / "script_shim.py")],
-            "api_cost": [py, str(BENCH / "api_cost.py")], "predict_accuracy": [py, str(BENCH / "predict_accuracy.py")]}
+            "api_cost": [py, str(BENCH / "api_cost.py")], "async_checkpoint": [py, str(BENCH / "async_checkpoint.py")],
+            "predict_accuracy": [py, str(BENCH / "predict_accuracy.py")]}
 
 
 def run_bench(name: str, argv: list[str], timeout: float) -> tuple[int, str, float]:
@@ -193,6 +194,18 @@ def parse(name: str, output: str) -> list[Figure]:
                                f"{r0['api_us_median']:.0f} us, mean {r0['api_us_mean']:.0f} us of a "
                                f"{r0['step_ms_median']:.1f} ms step)", f"{100 * j['ratio']:.3f} %",
                                f"<= {100 * j['target']:.0f} % of the step", _v(j["met"])))
+    elif name == "async_checkpoint":
+        j = _json(output)
+        if j:
+            steps = ", ".join(f"{m} {j['step_ms'][m]:.1f}" for m in ("none", "async", "sync"))
+            figs.append(Figure(name, f"step time, checkpoint every 5 steps in the background / none ({j['workload']}, "
+                               f"{j['checkpoint_mib']:.0f} MiB a checkpoint; step ms: {steps}; per round: "
+                               f"{', '.join(f'{r:.3f}' for r in j['ratios_async'])})", f"{j['ratio_async']:.3f}",
+                               f"<= {j['target']}", _v(j["met"])))
+            figs.append(Figure(name, "step time, checkpoint every 5 steps written before training goes on / none "
+                               f"(copy to host memory {j['snapshot_ms']:.1f} ms a checkpoint; {j['waits']} of "
+                               f"{j['saves_async']} background saves waited for the previous write)",
+                               f"{j['ratio_sync']:.3f}", "(reference)", "INFO"))
     elif name == "predict_accuracy":
         j = _json(output)
         skipped = next((x for x in output.splitlines() if x.startswith("predict_accuracy:") and "skipped" in x), None)
@@ -248,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", action="append",
                    choices=["cli_latency", "analysis", "overhead", "phases_overhead", "scaling_cpu", "script_shim",
-                            "api_cost", "predict_accuracy"])
+                            "api_cost", "async_checkpoint", "predict_accuracy"])
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md")
     p.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")
     args = p.parse_args(argv)

@@ -44,7 +44,8 @@ def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_sect
                     r"phases_overhead\s+step-phase timing: throughput timed / CYCLONE_PHASES=0 .*: \d\.\d{3}",
                     r"scaling_cpu\s+2-rank efficiency, cyclone_kit .*: \d\.\d{3}",
                     r"scaling_cpu\s+2-rank efficiency, torchrun",
-                    r"scaling_cpu\s+process start to first step, 2 ranks, cyclone_kit: \d+\.\d\d s"):
+                    r"scaling_cpu\s+process start to first step, 2 ranks, cyclone_kit: \d+\.\d\d s",
+                    r"async_checkpoint\s+step time, checkpoint every 5 steps in the background / none .*: \d\.\d{3}"):
         assert re.search(r"^\s+(MET|MISSED|INFO)\s+" + pattern, summary, re.M), (pattern, summary)
     assert "FAILED" not in summary
     # the benchmarks' own lines: both throughputs and the ratio
@@ -56,6 +57,9 @@ def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_sect
     # script_shim: examples/plain_ddp.py through `cyclone-kit run --nproc 2` and under torchrun, one pair
     assert re.search(r"pair 1: cyclone-kit run\s+[\d.]+ samples/s, start->first step\s+[\d.]+ s \| torchrun", out)
     assert re.search(r"throughput ratio cyclone-kit run / torchrun: \d+\.\d{3}", out)
+    # async_checkpoint: the step-time ratios against no checkpoints, in one run
+    assert re.search(r"ratio async/none: \d\.\d{3} .*target <= 1.01\s+(MET|MISSED)", out)
+    assert re.search(r"ratio sync/none:\s+\d\.\d{3}", out)
     assert re.search(r"target: >= 0.99\s+(MET|MISSED)", out) and re.search(r"torchrun's \+ 0.3 s\s+(MET|MISSED)", out)
     # the results file: rewritten with date, machine and table; the GPU section kept as it was
     text = results.read_text()
