@@ -134,14 +134,36 @@ def test_the_watchdog_fires_once_the_bound_passes_without_a_step() -> None:
     assert waited > own["bound_s"], (waited, own["bound_s"])
 
 
+class _CountingWatch(pg.ProgressWatch):
+    """A ProgressWatch that counts its thread's looks (each look asks for the bound), so that a test
+    can wait until the watchdog has judged a moment instead of hoping it looked in time."""
+
+    looks = 0
+
+    def bound(self) -> float | None:
+        if threading.current_thread().name == "cyclone_kit-progress":
+            self.looks += 1
+        return super().bound()
+
+
+def _wait_past_the_bound(watch: _CountingWatch, looks: int) -> None:
+    """Return once at least 3 bounds passed since the last step and the watchdog looked ``looks`` more times."""
+    bound, since, start = watch.bound(), watch.looks, time.monotonic()
+    assert bound is not None, "the watch is armed by its steps"
+    while watch.looks < since + looks or time.monotonic() - start < 3 * bound:
+        assert time.monotonic() - start < 60, "the watchdog stopped looking"  # a hang guard, not a bound
+        time.sleep(0.02)
+
+
 def test_a_pause_is_not_a_stall() -> None:
     records, called = _Records(), []
-    watch = pg.ProgressWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
-                             lambda *a: called.append(a), exit=lambda code: None, settle_s=0.0).start()
-    for step in range(1, 6):
+    watch = _CountingWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
+                           lambda *a: called.append(a), exit=lambda code: None, settle_s=0.0)
+    for step in range(1, 6):  # armed before the thread starts: its first look is a tenth of the bound away
         watch.beat(step)
-    with watch.paused():  # a checkpoint three times the bound
-        time.sleep(1.0)
+    watch.start()
+    with watch.paused():  # a checkpoint: several bounds long, and the watchdog looked at it many times
+        _wait_past_the_bound(watch, looks=10)
     watch.beat(6)
     watch.stop()
     assert not called
@@ -176,12 +198,13 @@ def test_a_busy_script_is_not_stalled_and_an_idle_one_is() -> None:
         exits.append(code)
         done.set()
 
-    watch = pg.ProgressWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
-                             lambda stuck, recs, own: called.append(own), exit=leave, settle_s=0.0,
-                             busy_share=0.1, cpu_clock=clock).start()
-    for step in range(1, 6):
+    watch = _CountingWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
+                           lambda stuck, recs, own: called.append(own), exit=leave, settle_s=0.0,
+                           busy_share=0.1, cpu_clock=clock)
+    for step in range(1, 6):  # armed before the thread starts: its first look is a tenth of the bound away
         watch.beat(step)
-    time.sleep(1.5)  # five bounds with no step, computing
+    watch.start()
+    _wait_past_the_bound(watch, looks=10)  # several bounds with no step, computing, judged many times
     assert not called and not exits
     busy.clear()
     assert done.wait(30), "the watchdog never fired once the rank stopped computing"
