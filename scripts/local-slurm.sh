@@ -204,6 +204,8 @@ EOF
   done
   echo "PartitionName=cpu Nodes=c1,c2 Default=YES MaxTime=1-00:00:00 State=UP"
   echo "PartitionName=gpu Nodes=g1,g2 Default=NO MaxTime=1-00:00:00 State=UP"
+  # every node: a job with spare nodes (in-job restarts, tests/slurm/test_restart_in_job.py) needs 3 of them
+  echo "PartitionName=wide Nodes=c1,c2,g1,g2 Default=NO MaxTime=1-00:00:00 State=UP"
 }
 
 render_gres_conf() {

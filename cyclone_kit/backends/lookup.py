@@ -60,6 +60,7 @@ class JobRow:
         warnings: what the run recorded that the user should know (a damaged checkpoint skipped).
         history: a requeued run's segments in words (``completed (2 segments: NODE_FAIL on c2,
             then completed)``), None for a run of one segment.
+        restarts: the run's in-job restarts, one line each (:func:`cyclone_kit.rundir.restarts.restart_line`).
     """
 
     job_id: str
@@ -74,6 +75,7 @@ class JobRow:
     root_cause: str | None = None
     warnings: tuple[str, ...] = ()
     history: str | None = None
+    restarts: tuple[str, ...] = ()
 
     def cells(self) -> list[str]:
         """The table's columns as text."""
@@ -183,9 +185,18 @@ def run_row(run_dir: Path, *, known: Known | None = None) -> JobRow:
             info = JobInfo(handle.job_id, rec.name, JobState.CANCELLED, 0, "", 0, "", None, None)
         row = _row(info, rec.name, cause=rec.root_cause, scheduler=False)
         return dataclasses.replace(row, reason=f"from the run directory ({str(e).split(';')[0]})",
-                                   warnings=rec.notes, history=_history(run_dir, None))
+                                   warnings=rec.notes, history=_history(run_dir, None), restarts=_restarts(run_dir))
     return dataclasses.replace(_row(info, rec.name, cause=rec.root_cause), warnings=rec.notes,
-                               history=_history(run_dir, get_backend(handle.backend), handle.job_id))
+                               history=_history(run_dir, get_backend(handle.backend), handle.job_id),
+                               restarts=_restarts(run_dir))
+
+
+def _restarts(run_dir: Path) -> tuple[str, ...]:
+    """The run's in-job restarts in words (``restarts.json``, written by the step watcher)."""
+    from cyclone_kit.rundir.restarts import read_restarts, restart_line
+
+    limit = RunDir(run_dir).read_spec().get("checkpoint", {}).get("max_restarts")
+    return tuple(restart_line(r, limit if isinstance(limit, int) else None) for r in read_restarts(run_dir))
 
 
 def _history(run_dir: Path, backend: object, job_id: str | None = None) -> str | None:
@@ -201,7 +212,10 @@ def _history(run_dir: Path, backend: object, job_id: str | None = None) -> str |
             states = [a.raw_state or a.state.value for a in attempts(job_id)]
         except CycloneError:
             states = []  # no accounting: the run directory's own records tell it
-    return failures.history_line(segments, states)
+    # accounting has one entry per run of the job (a requeue), a run may hold several segments (in-job restarts)
+    runs = [s.get("restart_count") for s in segments]
+    by_segment = [states[r] if isinstance(r, int) and 0 <= r < len(states) else "" for r in runs]
+    return failures.history_line(segments, by_segment if all(isinstance(r, int) for r in runs) else states)
 
 
 def job_row(job_id: str, name: str = "") -> JobRow:

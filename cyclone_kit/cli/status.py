@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         if row.history:
             print(f"{_who(row)}: {row.history}")
+        for line in row.restarts:
+            print(f"{_who(row)}: {line}")
         if row.note:
             print(row.note)
     _script_warnings(runs)

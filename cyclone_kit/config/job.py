@@ -143,9 +143,17 @@ class Resources:
     launcher: str = "srun"
     mem: str = ""
     extra_sbatch: tuple[str, ...] = ()
+    spare_nodes: int | None = None  # nodes allocated beside `nodes` for in-job restarts (None: the profile's)
+    min_nodes: int = 0  # the step may shrink to this many nodes after a lost node (0: never below `nodes`)
 
     def __post_init__(self) -> None:
         check_positive("resources.nodes", self.nodes)
+        if self.spare_nodes is not None:
+            check_non_negative("resources.spare_nodes", self.spare_nodes)
+        check_non_negative("resources.min_nodes", self.min_nodes)
+        if self.min_nodes > self.nodes:
+            raise ValidationError(f"--min-nodes={self.min_nodes} is more than --nodes={self.nodes}",
+                                  hint=f"use --min-nodes between 1 and {self.nodes} (0: never shrink)")
         for name in ("gpus_per_node",):
             if getattr(self, name) is not None:
                 check_non_negative(f"resources.{name}", getattr(self, name))
@@ -169,6 +177,7 @@ class CheckpointConfig:
     resume: bool = True
     requeue: bool = True
     max_requeues: int = 3
+    max_restarts: int = 3  # in-job restarts on spare or fewer nodes before falling back to a requeue
     signal: str = "USR2"
     signal_lead_s: int = 120
     sharded: bool = False
@@ -187,6 +196,7 @@ class CheckpointConfig:
             )
         check_positive("checkpoint.keep", self.keep)
         check_non_negative("checkpoint.max_requeues", self.max_requeues)
+        check_non_negative("checkpoint.max_restarts", self.max_restarts)
         check_choice("checkpoint.signal", self.signal, SIGNALS)
         check_positive("checkpoint.signal_lead_s", self.signal_lead_s)
         if not 0 <= self.poll_s <= 60:

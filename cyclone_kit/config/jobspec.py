@@ -27,6 +27,8 @@ FLAG_KEYS = {
     "time": "resources.time",
     "account": "resources.account",
     "launcher": "resources.launcher",
+    "spare_nodes": "resources.spare_nodes",
+    "min_nodes": "resources.min_nodes",
     "name": "name",
 }
 
@@ -52,6 +54,12 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, with_resources: bool =
         parser.add_argument("--time", help="wall time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
         parser.add_argument("--account", help="Slurm account (project), e.g. p163")
         parser.add_argument("--launcher", help="srun (one task per GPU), torchrun (one task per node) or horovod")
+        parser.add_argument("--spare-nodes", type=int, metavar="K",
+                            help="allocate K nodes beside --nodes: a lost or hung node's step restarts on a spare, "
+                                 "in the same job, from the newest checkpoint (default: the profile's, else 0)")
+        parser.add_argument("--min-nodes", type=int, metavar="M",
+                            help="with no spare left, restart the step on as few as M healthy nodes (the world "
+                                 "shrinks) rather than requeue the job (default: never below --nodes)")
     parser.add_argument("--name", help="job name (letters, digits, . _ + -)")
     add_script_arguments(parser)
     add_data_check_argument(parser)
@@ -261,6 +269,8 @@ def resolved_spec(job: ResolvedJob) -> JobSpec:
         cpus_per_task=job.cpus_per_task,
         time=job.time,
         account=job.account,
+        spare_nodes=job.spare_nodes,
+        min_nodes=job.min_nodes,
     )
     return dataclasses.replace(job.spec, resources=res)
 

@@ -94,6 +94,7 @@ class ClusterProfile:
     gpu_bind: str = ""
     cpu_bind: str = ""
     distribution: str = ""
+    spare_nodes: int = 0  # spare nodes a job on this cluster asks for unless it says (in-job restarts)
 
     @property
     def srun_binding(self) -> tuple[str, ...]:
@@ -122,6 +123,7 @@ class ClusterProfile:
                     hint="use letters, digits and '_' only, not starting with a digit",
                 )
         check_directives(f"profile {self.name!r}: extra_sbatch", self.extra_sbatch)
+        check_non_negative(f"profile {self.name!r}: spare_nodes", self.spare_nodes)
         for key in ("gpu_bind", "cpu_bind", "distribution"):
             value = getattr(self, key)
             if value and not re.fullmatch(r"[A-Za-z0-9_.,:*+-]+", value):

@@ -29,6 +29,18 @@ class ResolvedJob:
     cpus_per_task: int
     time_s: int
     account: str
+    spare_nodes: int = 0
+    min_nodes: int = 0
+
+    @property
+    def alloc_nodes(self) -> int:
+        """Nodes the allocation holds: the step's ``nodes`` and the spares beside them."""
+        return self.nodes + self.spare_nodes
+
+    @property
+    def restarts_in_job(self) -> bool:
+        """Whether a lost node can be left out inside the job: a spare to take its place, or room to shrink."""
+        return self.spare_nodes > 0 or 0 < self.min_nodes < self.nodes
 
     @property
     def world_size(self) -> int:
@@ -142,9 +154,33 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
 
     check_script_gpu_layout(spec, profile, gpus, tasks)
     account = res.account or profile.account
-    job = ResolvedJob(spec, profile, part, res.nodes, gpus, tasks, cpus, time_s, account)
+    spares = profile.spare_nodes if res.spare_nodes is None else res.spare_nodes
+    check_restart_layout(res.nodes, spares, res.min_nodes, launcher, part.nodes, where)
+    job = ResolvedJob(spec, profile, part, res.nodes, gpus, tasks, cpus, time_s, account, spares,
+                      res.min_nodes or res.nodes)
     _check_pipeline(job)
     return job
+
+
+def check_restart_layout(nodes: int, spares: int, min_nodes: int, launcher: str, partition_nodes: int,
+                         where: str) -> None:
+    """Spare nodes and a shrink floor against the partition and the launcher (pure).
+
+    Raises:
+        ValidationError: more nodes and spares than the partition has, or in-job restarts with torchrun.
+    """
+    if spares and nodes + spares > partition_nodes:
+        raise ValidationError(
+            f"--nodes={nodes} and --spare-nodes={spares} need {nodes + spares} nodes but {where} has {partition_nodes}",
+            hint=f"use --spare-nodes={max(partition_nodes - nodes, 0)} or fewer, or fewer --nodes",
+        )
+    if launcher == "torchrun" and (spares or 0 < min_nodes < nodes):
+        raise ValidationError(
+            "--spare-nodes / --min-nodes restart the step inside the job with the srun and horovod launchers; "
+            "torchrun has its own elastic restarts",
+            hint="use --launcher srun (the ranks get torchrun's variables all the same), or drop "
+                 "--spare-nodes and --min-nodes",
+        )
 
 
 def _check_pipeline(job: ResolvedJob) -> None:

@@ -211,11 +211,18 @@ def _retire_earlier(rd: RunDir, doc: Mapping[str, Any]) -> None:
         os.replace(rd.failure, target)
 
 
+#: Set by the step watcher on the ranks of a step it started again inside the job: how many times it did.
+INJOB_RESTARTS_VAR = "CYCLONE_INJOB_RESTARTS"
+
+
 def segment_id(environ: Mapping[str, str]) -> str:
-    """``JOBID:RESTARTS``, this run segment's name in progress and failure records (pure)."""
+    """``JOBID:RESTARTS`` (``JOBID:RESTARTS.N`` after N in-job restarts), this run segment's name in
+    progress and failure records (pure)."""
     array = environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array}_{environ.get('SLURM_ARRAY_TASK_ID', '')}" if array else environ.get("SLURM_JOB_ID", "")
-    return f"{job}:{environ.get('SLURM_RESTART_COUNT', '') or '0'}"
+    in_job = environ.get(INJOB_RESTARTS_VAR, "")
+    tail = f".{in_job}" if in_job.isdigit() and int(in_job) > 0 else ""
+    return f"{job}:{environ.get('SLURM_RESTART_COUNT', '') or '0'}{tail}"
 
 
 def segment_starts(run_dir: Path) -> list[str]:
@@ -226,6 +233,11 @@ def segment_starts(run_dir: Path) -> list[str]:
         if times:
             return times
     return []
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines record file (``metrics.jsonl``, ``shim.jsonl``), unreadable lines skipped."""
+    return _records(path)
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

@@ -155,6 +155,11 @@ class RunDir:
         return self.path / SHIM_FILE
 
     @property
+    def restarts(self) -> Path:
+        """``restarts.json``: the step watcher's in-job restarts (:mod:`cyclone_kit.rundir.restarts`)."""
+        return self.path / "restarts.json"
+
+    @property
     def network(self) -> Path:
         """``network.json``: a doctor run's all-reduce latency and bus bandwidth per level (rundir/network.py)."""
         return self.path / NETWORK_FILE

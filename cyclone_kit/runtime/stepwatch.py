@@ -20,8 +20,20 @@ It imports neither torch nor the training code, and:
   the step the same way;
 * when srun has ended and ranks vanished (a progress record, no error record, no exit: their
   processes died with their parents), writes ``failure.json`` naming them and their host;
+* with ``--nodes N --min-nodes M --tasks-per-node T`` (a job with ``resources.spare_nodes`` or
+  ``resources.min_nodes``; the allocation holds the spares and survives a node's loss, ``--no-kill``),
+  runs the step on N nodes of the allocation (``srun --nodes --ntasks --nodelist``) and, when it
+  ended because of a stall or a lost rank, restarts it inside the job: the bad node is left out
+  (:func:`bad_hosts`, and any node Slurm has DOWN or DRAINED), the healthy nodes are kept and a spare
+  takes its place, else the step shrinks to no fewer than M nodes (:func:`next_nodes`); the ranks get
+  a fresh rendezvous on the first node (MASTER_ADDR, a port free here, :func:`restart_port`) and
+  ``CYCLONE_INJOB_RESTARTS`` (a new segment id), and resume from the newest checkpoint. Each restart
+  is recorded in ``restarts.json`` (:mod:`cyclone_kit.rundir.restarts`), completed with the time of
+  the new segment's first step. After ``checkpoint.max_restarts`` of them in this run of the job,
+  or with too few healthy nodes, it falls back to the requeue below;
 * requeues the job (``scontrol requeue``) when it ended because of a stall or a lost rank,
   ``checkpoint.requeue`` is on and requeues are left, and otherwise exits with srun's status.
+  A step whose rank raised is neither restarted nor requeued (it would fail again).
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +160,8 @@ def segment_view(run_dir: Path, segment: str, since: float) -> SegmentView:
 
     rd = RunDir(run_dir)
     failure = read_json(rd.failure) if _newer(rd.failure, since) else None
+    if isinstance(failure, dict) and failure.get("segment") not in (None, segment):
+        failure = None  # the step before an in-job restart, written just before this one started
     errors = {}
     for path in rd.error_records():
         rec = read_json(path)
@@ -231,19 +245,276 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
+# --------------------------------------------------------------------------- in-job restarts (pure)
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How the step may be started again inside the job (the template's ``--nodes/--min-nodes/--tasks-per-node``).
+
+    Attributes:
+        nodes: the nodes the step runs on (the allocation holds more: the spares).
+        min_nodes: the fewest nodes it may shrink to when no spare is left.
+        tasks_per_node: srun tasks per node.
+        max_restarts: in-job restarts before falling back to a requeue (``checkpoint.max_restarts``).
+    """
+
+    nodes: int
+    min_nodes: int
+    tasks_per_node: int
+    max_restarts: int = 3
+
+
+def bad_hosts(failure: Mapping[str, Any] | None, view: SegmentView) -> list[str]:
+    """The hosts a failed step's record blames (pure): a lost rank's host(s), a stuck rank's."""
+    if not failure:
+        return []
+    if failure.get("cause") == "rank_lost" and failure.get("hosts"):
+        return sorted({str(h) for h in failure["hosts"]})
+    stuck = failure.get("stuck") or ([failure["rank"]] if isinstance(failure.get("rank"), int) else [])
+    hosts = {str((view.progress.get(r) or {}).get("host") or "") for r in stuck}
+    hosts |= {str(r.get("host")) for r in failure.get("ranks") or [] if isinstance(r, dict) and r.get("rank") in stuck
+              and r.get("host")}
+    hosts.discard("")
+    if not hosts and failure.get("host"):
+        hosts = {str(failure["host"])}
+    return sorted(hosts)
+
+
+def next_nodes(allocation: Sequence[str], current: Sequence[str], bad: Sequence[str] | set[str], wanted: int,
+               min_nodes: int) -> list[str] | None:
+    """The nodes of the next step (pure): the current healthy ones, then spares (allocated, never used, not
+    bad) up to ``wanted``; at least ``min_nodes``; in the allocation's order (rank 0 and the rendezvous on the
+    first). None when too few healthy nodes are left."""
+    bad = set(bad)
+    alive = set(allocation)
+    healthy = [n for n in current if n not in bad and n in alive]
+    spares = [n for n in allocation if n not in current and n not in bad]
+    chosen = healthy + spares[:max(0, wanted - len(healthy))]
+    if not chosen or len(chosen) < max(1, min_nodes):
+        return None
+    order = {n: i for i, n in enumerate(allocation)}
+    return sorted(chosen, key=lambda n: order[n])
+
+
+def step_argv(argv: Sequence[str], nodes: Sequence[str], tasks_per_node: int, restart: int = 0) -> list[str]:
+    """``argv`` (``srun ...``) with the step's node count, task count and node list put after ``srun`` (pure).
+
+    A restarted step also gets ``--overlap``: the step it replaces never completes in the controller's
+    eyes when a node's step daemon died with its processes, and would hold the healthy nodes' CPUs
+    ("Requested nodes are busy") until the job ends.
+    """
+    words = list(argv)
+    at = next((i for i, w in enumerate(words) if Path(w).name == "srun"), None)
+    if at is None:
+        return words
+    place = [f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tasks_per_node}", f"--nodelist={','.join(nodes)}"]
+    place += ["--overlap"] if restart else []
+    return [*words[:at + 1], *place, *words[at + 1:]]
+
+
+def restart_port(job_id: str, restart: int, free: Callable[[int], bool]) -> int:
+    """A fresh rendezvous port for the ``restart``-th in-job restart (pure but for ``free``): the job's port
+    of step ``restart`` (:func:`cyclone_kit.core.ports.job_port`), else the next free one after it."""
+    from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN, job_port
+
+    first = job_port(job_id, restart)
+    for k in range(PORT_SPAN):
+        port = PORT_BASE + (first - PORT_BASE + k) % PORT_SPAN
+        if free(port):
+            return port
+    return first
+
+
+def fault_time(failure: Mapping[str, Any] | None, view: SegmentView) -> str | None:
+    """When the fault happened, as closely as the records say (pure): for lost ranks the first peer error
+    (their connections broke as they died), else their last beat; for a stall the stuck rank's last step;
+    else the failure record's time."""
+    if not failure:
+        return None
+    if failure.get("cause") == "rank_lost":
+        times = sorted(str(r.get("time")) for r in view.errors.values() if r.get("time"))
+        if times:
+            return times[0]
+        beats = [float(view.progress[r].get("beat_time") or 0) for r in failure.get("lost") or [] if r in view.progress]
+        if beats and max(beats) > 0:
+            return _iso(max(beats))
+    if failure.get("cause") == "stalled":
+        last = [float((view.progress.get(r) or {}).get("progress_time") or 0) for r in failure.get("stuck") or []]
+        if last and min(last) > 0:
+            return _iso(min(last))
+    return str(failure.get("time")) if failure.get("time") else None
+
+
+def last_step(view: SegmentView) -> int | None:
+    """The highest step any rank of the segment had finished (pure)."""
+    steps = [p.get("step") for p in view.progress.values()]
+    return max((s for s in steps if isinstance(s, int)), default=None)
+
+
+def _iso(when: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(when, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def first_step_after(records: Sequence[Mapping[str, Any]], since: str) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
+    """(start record, first step record) of the first segment that started at or after ``since`` (pure)."""
+    start = None
+    for rec in records:
+        if rec.get("kind") == "start" and str(rec.get("time", "")) >= since:
+            start = start or rec
+        elif start is not None and rec.get("kind") == "step" and isinstance(rec.get("step"), int):
+            return start, rec
+    return None
+
+
 # --------------------------------------------------------------------------- the watcher
-def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None = None, poll_s: float = 1.0) -> int:
-    """Run ``argv`` (srun ...) and watch its step; returns its exit status (see the module doc)."""
+@dataclass
+class _Step:
+    """One srun step's end, as the watcher saw it."""
+
+    code: int
+    terminated: bool
+    view: SegmentView
+    cause: str | None
+
+
+def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None = None, poll_s: float = 1.0,
+          policy: RestartPolicy | None = None) -> int:
+    """Run ``argv`` (srun ...) and watch its step; returns its exit status (see the module doc).
+
+    With a ``policy`` the step runs on ``policy.nodes`` nodes of the allocation and, after a stall or a
+    lost node, starts again inside the job on healthy nodes (:func:`next_nodes`), at most
+    ``checkpoint.max_restarts`` times, each restart recorded in ``restarts.json``; then it requeues as before.
+    """
     base = dict(os.environ if environ is None else environ)
     job = base.get("SLURM_JOB_ID", "")
-    started = time.time()
-    segment = failures.segment_id(base)
     extra = {STEPWATCH_VAR: "1"}
-    end = end_time(started, _time_left(job)) if job else None
+    end = end_time(time.time(), _time_left(job)) if job else None
     if end is not None:
         extra[END_TIME_VAR] = f"{end:.0f}"
-    child = subprocess.Popen(list(argv), env={**base, **extra})
+    if policy is not None and job:
+        policy = RestartPolicy(policy.nodes, policy.min_nodes, policy.tasks_per_node,
+                               int(_checkpoint_table(run_dir).get("max_restarts", policy.max_restarts)))
+    allocation = _allocation(base, job) if policy is not None and job else []
+    current = allocation[:policy.nodes] if policy is not None else []
+    bad: set[str] = set()
+    # a requeued job's batch script starts with the earlier runs' restarts; the limit is per run of the job
+    restarts = restart_records(run_dir) if policy is not None else []
+    requeues = base.get("SLURM_RESTART_COUNT", "") or "0"
+    pending: dict[str, Any] | None = None
+    attempt = 0
+    while True:
+        env = {**base, **extra}
+        if attempt:
+            env[failures.INJOB_RESTARTS_VAR] = str(attempt)
+        if pending is not None:
+            env["MASTER_ADDR"], env["MASTER_PORT"] = pending["master"].rsplit(":", 1)
+        words = step_argv(argv, current, policy.tasks_per_node, attempt) if policy is not None and current else list(argv)
+        step = _run_step(words, env, run_dir, job, pending, lambda pair: _note_first_step(run_dir, job, restarts, pair),
+                         poll_s)
+        if step.terminated:
+            return step.code
+        if step.code != 0 and step.cause in REQUEUE_CAUSES and job and policy is not None:
+            plan, why = _plan_restart(policy, attempt, allocation, current, bad, step, job)
+            if plan is not None:
+                attempt += 1
+                entry = _restart_entry(len(restarts) + 1, attempt, job, step, current, plan, allocation, policy, bad)
+                entry["requeue"] = int(requeues) if requeues.isdigit() else 0
+                restarts.append(entry)
+                _write_restarts(run_dir, restarts, job)
+                _say(f"the step ended ({step.cause} on {','.join(entry['left_out']) or '?'}): in-job restart {attempt} "
+                     f"of at most {policy.max_restarts} on {','.join(plan)}, master {entry['master']}, "
+                     "from the newest checkpoint")
+                current, pending = plan, entry
+                continue
+            pending = None
+            _say(f"the step ended ({step.cause}): {why}; falling back to a requeue")
+        if step.code != 0 and step.cause in REQUEUE_CAUSES and job and _requeue(base, run_dir, step.cause):
+            return 0
+        return step.code
+
+
+def restart_records(run_dir: Path) -> list[dict[str, Any]]:
+    """This job's in-job restarts so far (a requeued job's batch script starts with the earlier ones)."""
+    from cyclone_kit.rundir.restarts import read_restarts
+
+    return read_restarts(run_dir)
+
+
+def _write_restarts(run_dir: Path, restarts: Sequence[Mapping[str, Any]], job: str) -> None:
+    """``restarts.json``, through its owner (:mod:`cyclone_kit.rundir.restarts`)."""
+    from cyclone_kit.rundir.restarts import write_restarts
+
+    write_restarts(run_dir, restarts, job)
+
+
+def _plan_restart(policy: RestartPolicy, attempt: int, allocation: list[str], current: list[str], bad: set[str],
+                  step: _Step, job: str) -> tuple[list[str] | None, str]:
+    """The nodes of the next in-job restart, or None and why not."""
+    if attempt >= policy.max_restarts:
+        return None, f"already restarted {attempt} time(s) in the job (checkpoint.max_restarts={policy.max_restarts})"
+    blamed = bad_hosts(step.view.failure, step.view)
+    if not blamed:
+        return None, "no record names the bad node"
+    bad.update(blamed)
+    bad.update(_unhealthy(allocation))
+    alive = _allocation({}, job) or allocation
+    plan = next_nodes(alive, current, bad, policy.nodes, policy.min_nodes)
+    if plan is None:
+        return None, (f"no healthy node left to restart on (left out {','.join(sorted(bad))}; at least "
+                      f"{policy.min_nodes} needed)")
+    return plan, ""
+
+
+def _restart_entry(number: int, attempt: int, job: str, step: _Step, current: list[str], plan: list[str], allocation: list[str],
+                   policy: RestartPolicy, bad: set[str]) -> dict[str, Any]:
+    """The ``restarts.json`` entry of a restart now starting."""
+    from cyclone_kit.core.ports import can_bind
+
+    failure = step.view.failure or {}
+    spares = [n for n in plan if n not in current]
+    return {"restart": number, "job_id": job, "segment": failure.get("segment"), "cause": step.cause,
+            "left_out": [n for n in current if n in bad], "nodes_before": list(current), "nodes_after": list(plan),
+            "spares": spares, "shrunk": len(plan) < len(current),
+            "world_size_before": len(current) * policy.tasks_per_node, "world_size_after": len(plan) * policy.tasks_per_node,
+            "fault_time": fault_time(failure, step.view), "detected_time": failure.get("time"),
+            "restart_time": failures.utc_now(), "last_step": last_step(step.view),
+            "master": f"{plan[0]}:{restart_port(job, attempt, can_bind)}",
+            "allocation": list(allocation)}
+
+
+def _note_first_step(run_dir: Path, job: str, restarts: list[dict[str, Any]], pair: tuple[Any, Any]) -> None:
+    """Complete the newest restart's entry with the new segment's first step."""
+    from cyclone_kit.rundir.restarts import with_first_step
+
+    start, first = pair
+    entry = restarts[-1]
+    restarts[-1] = with_first_step(entry, first_step=int(first["step"]), first_step_time=str(first.get("time")),
+                                   start_step=start.get("start_step") if isinstance(start.get("start_step"), int) else None,
+                                   global_batch=start.get("global_batch_size"))
+    restarts[-1]["global_batch_before"] = _global_batch_before(run_dir, entry)
+    _write_restarts(run_dir, restarts, job)
+    _say(f"in-job restart {entry['restart']}: first step again (step {first['step']}) "
+         f"{restarts[-1].get('recovery_s')} s after the fault")
+
+
+def _global_batch_before(run_dir: Path, entry: Mapping[str, Any]) -> int | None:
+    from cyclone_kit.rundir.layout import RunDir
+
+    starts = [r for r in failures.read_records(RunDir(run_dir).metrics)
+              if r.get("kind") == "start" and str(r.get("time", "")) < str(entry.get("restart_time", ""))]
+    value = starts[-1].get("global_batch_size") if starts else None
+    return value if isinstance(value, int) else None
+
+
+def _run_step(argv: Sequence[str], env: dict[str, str], run_dir: Path, job: str, pending: dict[str, Any] | None,
+              on_first: Callable[[tuple[Any, Any]], None], poll_s: float = 1.0) -> _Step:
+    """Run one srun step and watch it to its end (the cancel rules of the module doc)."""
+    started = time.time()
+    segment = failures.segment_id(env)
+    child = subprocess.Popen(list(argv), env=env)
     terminated: list[int] = []
+    waiting = pending  # the restart whose first step is awaited
 
     def note(signum: int, frame: object) -> None:  # Slurm signals srun itself: only remember it
         terminated.append(signum)
@@ -254,6 +525,11 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
         while (code := _wait(child, poll_s)) is None:
             now = time.time()
             view = segment_view(run_dir, segment, started)
+            if waiting is not None:
+                found = _first_step(run_dir, str(waiting.get("restart_time", "")))
+                if found is not None:
+                    on_first(found)
+                    waiting = None
             if failed_at is None and not terminated and view.failed:
                 failed_at = now
             if failed_at is None and not terminated and silent(view, now):
@@ -273,9 +549,11 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if terminated:
-        return code
+    if waiting is not None and (found := _first_step(run_dir, str(waiting.get("restart_time", "")))) is not None:
+        on_first(found)  # a short segment may end between two looks
     view = segment_view(run_dir, segment, started)
+    if terminated:
+        return _Step(code, True, view, None)
     lost = vanished(view)
     # A survivor's own record (its watchdog writes failure.json on a non-zero exit) only says that its
     # peer's connection broke: the vanished ranks are the root cause, so their record replaces it.
@@ -284,10 +562,43 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
         failures.write_failure(run_dir, doc, first_wins=view.failure is None)
         _say(doc["root_cause"])
         view = segment_view(run_dir, segment, started)
-    cause = cause_of(view)
-    if code != 0 and cause in REQUEUE_CAUSES and job and _requeue(base, run_dir, cause):
-        return 0
-    return code
+    return _Step(code, False, view, cause_of(view))
+
+
+def _first_step(run_dir: Path, since: str) -> tuple[Any, Any] | None:
+    from cyclone_kit.rundir.layout import RunDir
+
+    return first_step_after(failures.read_records(RunDir(run_dir).metrics), since) if since else None
+
+
+def _allocation(environ: Mapping[str, str], job: str) -> list[str]:
+    """The job's nodes now, in Slurm's order (squeue: a node lost under ``--no-kill`` leaves the list)."""
+    from cyclone_kit.core.proc import run_command
+    from cyclone_kit.slurm.hostlist import expand
+
+    out = run_command(["squeue", "--noheader", f"--jobs={job}", "--format=%N"], check=False, timeout=30)
+    text = out.stdout.strip().splitlines()[0].strip() if out.ok and out.stdout.strip() else ""
+    text = text or environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        return expand(text) if text else []
+    except Exception:  # an unreadable list: no restart plan, the requeue stays
+        return []
+
+
+def _unhealthy(nodes: Sequence[str]) -> set[str]:
+    """The nodes among ``nodes`` that Slurm has DOWN, DRAINED or FAILING (sinfo)."""
+    from cyclone_kit.core.proc import run_command
+
+    if not nodes:
+        return set()
+    out = run_command(["sinfo", "--noheader", "--Node", f"--nodes={','.join(nodes)}", "--format=%N %t"], check=False,
+                      timeout=30)
+    bad = set()
+    for line in out.stdout.splitlines() if out.ok else []:
+        parts = line.split()
+        if len(parts) == 2 and parts[1].rstrip("*~#!%$@^-").startswith(("down", "drain", "fail", "maint")):
+            bad.add(parts[0])
+    return bad
 
 
 def _wait(child: subprocess.Popen[bytes], timeout: float) -> int | None:
@@ -297,19 +608,44 @@ def _wait(child: subprocess.Popen[bytes], timeout: float) -> int | None:
         return None
 
 
+def parse_args(args: Sequence[str], environ: Mapping[str, str]) -> tuple[str | None, RestartPolicy | None, list[str]]:
+    """(run dir, restart policy or None, the command) from ``--run-dir DIR [--nodes N --min-nodes M
+    --tasks-per-node T] -- CMD ...`` (pure).
+
+    Raises:
+        ValueError: an option without its value, or a count that is not a positive integer.
+    """
+    words = list(args)
+    opts: dict[str, str] = {}
+    while words and words[0] in ("--run-dir", "--nodes", "--min-nodes", "--tasks-per-node"):
+        if len(words) < 2:
+            raise ValueError(f"{words[0]} needs a value")
+        opts[words[0]], words = words[1], words[2:]
+    if words[:1] == ["--"]:
+        words = words[1:]
+    policy = None
+    if "--nodes" in opts:
+        counts = [opts.get(k, "1") for k in ("--nodes", "--min-nodes", "--tasks-per-node")]
+        if not all(c.isdigit() and int(c) > 0 for c in counts):
+            raise ValueError(f"--nodes/--min-nodes/--tasks-per-node must be positive counts, got {counts}")
+        nodes, low, tasks = (int(c) for c in counts)
+        policy = RestartPolicy(nodes, min(low, nodes), tasks)
+    return opts.get("--run-dir") or environ.get("CYCLONE_RUN_DIR"), policy, words
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cyclone_kit.runtime.stepwatch --run-dir DIR -- CMD ...``."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    run_dir = os.environ.get("CYCLONE_RUN_DIR")
-    if args[:1] == ["--run-dir"] and len(args) >= 2:
-        run_dir, args = args[1], args[2:]
-    if args[:1] == ["--"]:
-        args = args[1:]
+    """``python -m cyclone_kit.runtime.stepwatch --run-dir DIR [--nodes N --min-nodes M --tasks-per-node T] -- CMD ...``."""
+    try:
+        run_dir, policy, args = parse_args(list(sys.argv[1:] if argv is None else argv), os.environ)
+    except ValueError as e:
+        sys.stderr.write(f"error: {e} HINT: python -m cyclone_kit.runtime.stepwatch --run-dir DIR "
+                         "[--nodes N --min-nodes M --tasks-per-node T] -- srun ...\n")
+        return 2
     if not args or not run_dir:
         sys.stderr.write("error: nothing to watch HINT: python -m cyclone_kit.runtime.stepwatch --run-dir DIR "
                          "-- srun ...\n")
         return 2
-    return watch(args, Path(run_dir))
+    return watch(args, Path(run_dir), policy=policy)
 
 
 if __name__ == "__main__":

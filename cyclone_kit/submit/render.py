@@ -108,6 +108,12 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "launcher": spec.resources.launcher,
         "name": spec.name,
         "nodes": job.nodes,
+        "alloc_nodes": job.alloc_nodes if job.restarts_in_job else job.nodes,
+        # in-job restarts (resources.spare_nodes, min_nodes): the allocation outlives a lost node (--no-kill)
+        # and the step watcher runs the step on `nodes` of it, restarting it on a spare or on fewer nodes
+        "no_kill": job.restarts_in_job,
+        "min_nodes": job.min_nodes,
+        "stepwatch_args": stepwatch_args(job),
         "ntasks_per_node": job.ntasks_per_node,
         "cpus_per_task": job.cpus_per_task,
         "gpus_per_node": job.gpus_per_node,
@@ -142,6 +148,13 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "script_source": (spec.script.path or f"-m {spec.script.module}") if spec.script is not None else "",
         "script_live": bool(spec.script is not None and (spec.script.live or spec.script.module)),
     }
+
+
+def stepwatch_args(job: ResolvedJob) -> list[str]:
+    """The step watcher's in-job restart options for ``job`` (pure; none without spares or a shrink floor)."""
+    if not job.restarts_in_job:
+        return []
+    return ["--nodes", str(job.nodes), "--min-nodes", str(job.min_nodes), "--tasks-per-node", str(job.ntasks_per_node)]
 
 
 def rank_entry(job: ResolvedJob, run_dir: Path | str) -> str:
@@ -182,7 +195,8 @@ def report_context(study_dir: Path | str, job: ResolvedJob, after: Sequence[str]
     prof = job.profile
     return {
         **script_context(job, study, python),
-        "launcher": "report", "name": name, "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 1,
+        "launcher": "report", "name": name, "nodes": 1, "alloc_nodes": 1, "no_kill": False, "stepwatch_args": [],
+        "ntasks_per_node": 1, "cpus_per_task": 1,
         "gpus_per_node": 0, "time": "00:15:00", "partition": prof.default_partition.name, "mem": "",
         "exclusive": False, "signal": "", "requeue": False, "extra_sbatch": list(prof.extra_sbatch),
         "log_dir": str(StudyDir(study).logs), "log_stem": "report",

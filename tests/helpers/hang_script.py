@@ -1,14 +1,15 @@
 """A cyclone_kit-API DDP script with a fault the test injects: one rank sleeps forever at one step.
 
 ``python hang_script.py --steps N --hang-rank R --hang-step K``: on the first segment only
-(``ctx.restart_count == 0``), rank R stops before step K (it sleeps, holding no lock; its peers
-wait for it inside DDP's gradient all-reduce). Every step is checkpointed, so a resumed segment
-repeats no step.
+(``ctx.restart_count == 0`` and no in-job restart yet, ``CYCLONE_INJOB_RESTARTS``), rank R stops
+before step K (it sleeps, holding no lock; its peers wait for it inside DDP's gradient all-reduce).
+Every step is checkpointed, so a resumed segment repeats no step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -43,8 +44,9 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
     generator = torch.Generator().manual_seed(ctx.rank)
+    fresh = ctx.restart_count == 0 and os.environ.get("CYCLONE_INJOB_RESTARTS", "0") == "0"
     for step in range(start + 1, args.steps + 1):
-        if ctx.restart_count == 0 and ctx.rank == args.hang_rank and step == args.hang_step:
+        if fresh and ctx.rank == args.hang_rank and step == args.hang_step:
             hang_forever()
         x = torch.randn(16, 32, generator=generator)
         loss = F.mse_loss(model(x), torch.zeros(16, 4))

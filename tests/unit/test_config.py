@@ -21,7 +21,7 @@ def test_builtin_profiles():
     assert cy.partition("cpu").nodes == 17 and cy.default_partition.name == "cpu"
     assert gpu.max_time_s == 24 * 3600 and cy.cpus_per_gpu == 10 and cy.account_required
     local = load_profile("local")
-    assert [p.name for p in local.partitions] == ["cpu", "gpu"]
+    assert [p.name for p in local.partitions] == ["cpu", "gpu", "wide"]  # wide: every node (spare-node tests)
     assert local.partition("gpu").nodelist == "g[1-2]" and local.partition("gpu").gpus_per_node == 4
 
 

@@ -26,6 +26,9 @@ CASES = {
     "cyclone_horovod_2nodes": ("cyclone", {"partition": "gpu", "nodes": 2, "launcher": "horovod", "account": "p163"}),
     "local_cpu_2x2": ("local", {"partition": "cpu", "nodes": 2, "ntasks_per_node": 2}),
     "generic_gpus_per_node": ("generic", {"partition": "gpu", "nodes": 1, "gpus_per_node": 2, "mem": "64G"}),
+    # issue 31: 2 nodes + 1 spare, may shrink to 1: --nodes=3, --no-kill, the step watcher's restart options
+    "local_wide_spare_restart": ("local", {"partition": "wide", "nodes": 2, "ntasks_per_node": 1, "spare_nodes": 1,
+                                           "min_nodes": 1}),
 }
 
 
