@@ -6,9 +6,11 @@ it is requeued, resumes and completes, and ``status`` says what happened (exit 0
   progress watchdogs end the step within their bound, the root cause names rank 1 with its stack,
   the step watcher requeues the job, the second segment resumes from the checkpoint of step 14
   and every step is logged exactly once.
-* **A node whose processes die**: jobs/smoke.toml on 2 nodes x 1 task; the test SIGKILLs the job's
-  processes on c2 (its step daemon and the rank; c2's slurmd keeps answering, so the node never
-  goes DOWN). srun alone would wait until the wall time; the step watcher cancels the step, names
+* **A node whose processes die**: jobs/smoke.toml on 2 nodes x 1 task; both ranks wait after
+  optimizer step LOST_AT (tests/helpers/slow_parts.py) while the test SIGKILLs the job's processes
+  on c2 (its step daemon and the rank; c2's slurmd keeps answering, so the node never goes DOWN),
+  then rank 0 goes on into its next all-reduce: the kill lands mid-run at any machine speed. srun
+  alone would wait until the wall time; the step watcher cancels the step, names
   rank 1 on c2, requeues, and the run completes.
 
 Every wait is for an event with a hang guard; the timing bounds come from the job's own records
@@ -33,6 +35,7 @@ from cyclone_kit.runtime import stepwatch
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.node_faults import kill_node_processes, node_processes
+from tests.helpers.slow_parts import hold_files, slow_parts_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -44,6 +47,9 @@ HANG_S = 900
 FLOOR_S = 8
 STEPS = 40
 HANG_STEP = 15
+#: the lost-node job's ranks are held after this step while c2's processes are killed
+LOST_AT = 20
+LOST_STEPS = 60
 #: What may come on top of a bound: the watchdog's look interval and wait for its peers' records,
 #: srun's kill of the step, scheduling on a loaded 2-core machine.
 SLACK_S = 5.0 + 15.0 + 10.0 + 20.0
@@ -142,18 +148,22 @@ def test_a_hung_rank_is_named_requeued_and_every_step_runs_once(slurm_cluster: d
 def test_a_node_that_lost_its_processes_is_requeued_not_left_running(slurm_cluster: dict[str, str],
                                                                         tmp_path: Path) -> None:
     backend = SlurmBackend()
-    job_id, run_dir = _submit(tmp_path, str(SMOKE), "--time", "10", "--set", "train.steps=300", "--set",
-                              "train.log_every=5", "--set", "checkpoint.every_steps=10")
+    holds = hold_files(tmp_path / "parts")
+    job_id, run_dir = _submit(tmp_path, str(SMOKE), "--time", "10", "--set", f"train.steps={LOST_STEPS}", "--set",
+                              "train.log_every=5", "--set", "checkpoint.every_steps=10",
+                              env=slow_parts_env(tmp_path / "parts", hold_step=LOST_AT))
     try:
-        _wait_for(lambda: any(r["kind"] == "step" and r["step"] >= 20 for r in _records(run_dir)), "step 20")
+        _wait_for(lambda: holds.at(LOST_AT, range(2)), f"both ranks held after step {LOST_AT}")
         _wait_for(lambda: len(node_processes(job_id, "c2")) >= 2, "the job's processes on c2")
         killed = kill_node_processes(job_id, "c2")
+        holds.go()  # rank 0 goes on into an all-reduce whose peer is gone
         killed_at = time.time()
         print(f"job {job_id}: killed its processes on c2 {killed}")
         failure_path = run_dir / "failure.json"
         _wait_for(failure_path.is_file, "failure.json of the first segment")
         noticed = failure_path.stat().st_mtime - killed_at
     finally:
+        holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
         info = _finish(backend, job_id)
     # srun alone would have waited until the wall time; the step watcher's grace, Slurm's KillWait, slack
     limit = stepwatch.GRACE_S + _kill_wait_s() + 2 + SLACK_S
@@ -164,8 +174,8 @@ def test_a_node_that_lost_its_processes_is_requeued_not_left_running(slurm_clust
     starts = [r for r in records if r["kind"] == "start"]
     ends = [r for r in records if r["kind"] == "end"]
     assert [s["restart_count"] for s in starts] == [0, 1], starts
-    assert ends[-1]["status"] == "completed" and ends[-1]["steps"] == 300, ends
-    assert 10 <= starts[1]["start_step"] <= 300, "the second segment resumed from a checkpoint"
+    assert ends[-1]["status"] == "completed" and ends[-1]["steps"] == LOST_STEPS, ends
+    assert 10 <= starts[1]["start_step"] <= LOST_AT, "the second segment resumed from a checkpoint"
 
     failure = json.loads((run_dir / "failure.json").read_text())
     assert (failure["cause"], failure["lost"], failure["hosts"]) == ("rank_lost", [1], ["c2"]), failure
