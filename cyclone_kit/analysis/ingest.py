@@ -41,6 +41,7 @@ import pandas as pd
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir import contract
 from cyclone_kit.rundir.layout import SWEEP_FILE, RunDir
+from cyclone_kit.rundir.restarts import read_restarts
 
 #: The contract's names (:mod:`cyclone_kit.rundir.contract`), under the names this module always used.
 METRICS_FILENAME = contract.METRICS_FILE
@@ -528,6 +529,8 @@ class Ingested:
             ``host``, ``device``, ``samples_per_s``, ``peak_memory_bytes``) and
             ``RANK_SUMMARY_OPTIONAL_FIELDS`` (``energy_j``: NVML, GPU runs only; empty elsewhere).
         warnings: one line per problem found (also emitted as :class:`MetricsWarning`).
+        restarts: (run_dir, entry) per in-job restart of a run (``restarts.json``,
+            :mod:`cyclone_kit.rundir.restarts`), oldest first.
     """
 
     runs: pd.DataFrame
@@ -535,6 +538,7 @@ class Ingested:
     epochs: pd.DataFrame
     ranks: pd.DataFrame
     warnings: tuple[str, ...]
+    restarts: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     @property
     def complete_runs(self) -> pd.DataFrame:
@@ -657,6 +661,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
     step_frames: list[pd.DataFrame] = []
     epoch_rows: list[dict[str, Any]] = []
     rank_rows: list[dict[str, Any]] = []
+    restart_rows: list[tuple[str, dict[str, Any]]] = []
     any_records = False
     for metrics_file, given in find_metrics_files(paths):
         run_dir = metrics_file.parent
@@ -689,6 +694,7 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
             step_frames.append(frame)
         epoch_rows.extend({"run_dir": key, **e} for e in parsed.epochs)
         rank_rows.extend({"run_dir": key, **r} for r in _read_rank_files(run_dir, notes))
+        restart_rows.extend((key, entry) for entry in read_restarts(run_dir))
 
     if not any_records:
         raise ValidationError(
@@ -723,4 +729,5 @@ def load_runs(paths: Sequence[str | Path] | str | Path, *, warn: bool = True) ->
     if warn:
         for note in notes:
             warnings.warn(note, MetricsWarning, stacklevel=2)
-    return Ingested(runs=runs, steps=steps, epochs=epochs, ranks=ranks, warnings=tuple(notes))
+    return Ingested(runs=runs, steps=steps, epochs=epochs, ranks=ranks, warnings=tuple(notes),
+                    restarts=tuple(restart_rows))

@@ -247,6 +247,7 @@ def report_blocks(
         blocks += _plot_blocks()
     blocks += _baseline_blocks(runs, table, baselines, checks)
     blocks += _incomplete_blocks(data)
+    blocks += _restart_blocks(data)
     blocks += _timing_blocks(data)
     for section in pipeline:  # bubble per stage against (P-1)/(M+P-1), and the stage balance
         blocks += [Heading(2, section.title), Paragraph(section.text), Table(section.header, section.rows)]
@@ -424,6 +425,25 @@ def _baseline_blocks(runs: pd.DataFrame, table: pd.DataFrame, baselines: pd.Data
             if notes:
                 blocks.append(Bullets(tuple(notes)))
     return blocks
+
+
+def _restart_blocks(data: Ingested) -> list[Block]:
+    """The runs whose step was restarted inside the job (a lost or hung node left out), each restart marked."""
+    from cyclone_kit.rundir.restarts import restart_line
+
+    if not data.restarts:
+        return []
+    lines = []
+    for run_dir, entry in data.restarts:
+        line = f"{run_dir}: {restart_line(entry)}"
+        if entry.get("shrunk"):
+            line += (f". The segments after it ran on {entry.get('world_size_after')} ranks, not "
+                     f"{entry.get('world_size_before')}: this run's throughput mixes world sizes")
+        lines.append(line)
+    return [Heading(2, "In-job restarts"),
+            Paragraph("Steps started again inside the same job (no requeue): the node left out, the time from "
+                      "the fault to the first step again, the steps recomputed from the newest checkpoint."),
+            Bullets(tuple(lines))]
 
 
 def _incomplete_blocks(data: Ingested) -> list[Block]:

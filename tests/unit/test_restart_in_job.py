@@ -169,3 +169,25 @@ def test_no_restart_options_render_no_restart():
     job = _job(partition="cpu", nodes=2)
     text = render_script(job, "/r", python="/py", environ={"CYCLONE_KIT_TEMPLATES": "/nonexistent"})
     assert "--no-kill" not in text and "--min-nodes" not in text and "#SBATCH --nodes=2\n" in text
+
+
+def test_the_report_marks_each_restart(tmp_path):
+    import json
+
+    from cyclone_kit.analysis.ingest import load_runs
+    from cyclone_kit.analysis.render import Bullets, Heading
+    from cyclone_kit.analysis.report_content import _restart_blocks
+
+    run = tmp_path / "run"
+    run.mkdir()
+    start = {"kind": "start", "schema": 1, "time": "2026-01-01T00:00:00+00:00", "world_size": 2, "num_nodes": 2}
+    (run / "metrics.jsonl").write_text(json.dumps(start) + "\n")
+    shrunk = {**ENTRY, "shrunk": True, "spares": [], "nodes_after": ["c1"], "world_size_after": 1}
+    write_restarts(run, [shrunk], "145")
+    data = load_runs([run], warn=False)
+    assert data.restarts == ((str(run), shrunk),)
+    heading, _, bullets = _restart_blocks(data)
+    assert isinstance(heading, Heading) and isinstance(bullets, Bullets)
+    (line,) = bullets.items
+    assert line.startswith(f"{run}: in-job restart 1: rank_lost on c2") and "mixes world sizes" in line, line
+    assert _restart_blocks(type(data)(data.runs, data.steps, data.epochs, data.ranks, ())) == []
