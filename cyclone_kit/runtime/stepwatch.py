@@ -106,6 +106,16 @@ def vanished(view: SegmentView) -> list[int]:
     return sorted(r for r, p in view.progress.items() if p.get("state") == "running" and r not in view.errors)
 
 
+def only_lost_left(view: SegmentView) -> bool:
+    """True when the step's only ranks not yet gone are ones that vanished with their node (pure): every
+    other rank's record says it exited, ended or stalled. srun would wait for the vanished ones' dead
+    step daemon until its own timeout; nothing of the step is left to wait for."""
+    lost = set(vanished(view))
+    if not lost:
+        return False
+    return all(p.get("state") in ("exited", "ended", "stalled") for r, p in view.progress.items() if r not in lost)
+
+
 def lost_line(lost: Sequence[int], view: SegmentView) -> str:
     """The root cause when ranks vanished (pure)."""
     hosts = sorted({str(view.progress[r].get("host", "?")) for r in lost})
@@ -411,7 +421,7 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
             env["MASTER_ADDR"], env["MASTER_PORT"] = pending["master"].rsplit(":", 1)
         words = step_argv(argv, current, policy.tasks_per_node, attempt) if policy is not None and current else list(argv)
         step = _run_step(words, env, run_dir, job, pending, lambda pair: _note_first_step(run_dir, job, restarts, pair),
-                         poll_s)
+                         poll_s, restarts=policy is not None)
         if step.terminated:
             return step.code
         if step.code != 0 and step.cause in REQUEUE_CAUSES and job and policy is not None:
@@ -508,8 +518,9 @@ def _global_batch_before(run_dir: Path, entry: Mapping[str, Any]) -> int | None:
 
 
 def _run_step(argv: Sequence[str], env: dict[str, str], run_dir: Path, job: str, pending: dict[str, Any] | None,
-              on_first: Callable[[tuple[Any, Any]], None], poll_s: float = 1.0) -> _Step:
-    """Run one srun step and watch it to its end (the cancel rules of the module doc)."""
+              on_first: Callable[[tuple[Any, Any]], None], poll_s: float = 1.0, restarts: bool = False) -> _Step:
+    """Run one srun step and watch it to its end (the cancel rules of the module doc); with ``restarts``
+    srun is not waited for once only the vanished ranks are left (:func:`only_lost_left`)."""
     started = time.time()
     segment = failures.segment_id(env)
     child = subprocess.Popen(list(argv), env=env)
@@ -543,7 +554,7 @@ def _run_step(argv: Sequence[str], env: dict[str, str], run_dir: Path, job: str,
                 steps = cancel_steps(job) if job else []
                 _say(f"a rank failed or stalled and srun is still waiting: cancelled step(s) {', '.join(steps) or '-'}")
                 cancelled_at = now
-            if cancelled_at is not None and now - cancelled_at > KILL_AFTER_S:
+            if cancelled_at is not None and (now - cancelled_at > KILL_AFTER_S or (restarts and only_lost_left(view))):
                 with contextlib.suppress(ProcessLookupError):
                     child.kill()
     finally:

@@ -191,3 +191,11 @@ def test_the_report_marks_each_restart(tmp_path):
     (line,) = bullets.items
     assert line.startswith(f"{run}: in-job restart 1: rank_lost on c2") and "mixes world sizes" in line, line
     assert _restart_blocks(type(data)(data.runs, data.steps, data.epochs, data.ranks, ())) == []
+
+
+def test_only_lost_left_once_every_other_rank_is_gone():
+    peer = {0: {"rank": 0, "time": "t", "type": "RuntimeError", "message": "Connection reset by peer"}}
+    running = {0: {"state": "running"}, 1: {"state": "running", "host": "c2"}}
+    assert not sw.only_lost_left(_view(running, peer))  # rank 0 has not exited yet
+    assert sw.only_lost_left(_view({**running, 0: {"state": "exited"}}, peer))
+    assert not sw.only_lost_left(_view({0: {"state": "exited"}, 1: {"state": "running"}}))  # no peer-lost error
