@@ -161,16 +161,21 @@ def exit_status(code: object) -> int:
     return 1
 
 
-def start_record(env: Any, shim: ShimArgs, spec: Any, when: str) -> dict[str, Any]:
-    """Rank 0's shim ``start`` record (pure)."""
+def start_record(env: Any, shim: ShimArgs, spec: Any, when: str,
+                 environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Rank 0's shim ``start`` record (pure): under the local launcher (``CYCLONE_LAUNCHER=local``
+    in ``environ``) the launcher is ``local`` and there is no job id (its SLURM_JOB_ID is made up),
+    as in the engine's and the API's records."""
     script = getattr(spec, "script", None)
+    local = (environ or {}).get("CYCLONE_LAUNCHER") == "local"
     return {
         "kind": "start", "schema": 1, "source": "launch", "time": when,
         "script": shim.target, "args": list(shim.args),
         "sha256": _file_hash(shim.script) or getattr(script, "sha256", "") or None,
         "world_size": env.world_size, "num_nodes": env.num_nodes, "local_world_size": env.local_world_size,
-        "launcher": env.launcher, "hostnames": list(env.hostnames) or [env.host or socket.gethostname()],
-        "slurm_job_id": env.job_id, "restart_count": env.restart_count, "pid": os.getpid(),
+        "launcher": "local" if local else env.launcher,
+        "hostnames": list(env.hostnames) or [env.host or socket.gethostname()],
+        "slurm_job_id": None if local else env.job_id, "restart_count": env.restart_count, "pid": os.getpid(),
     }
 
 
@@ -586,7 +591,7 @@ def _run(shim: ShimArgs) -> int:
         return 1
     rank, host = env.rank, env.host or host
     main_rank = env.rank == 0 and run_dir is not None
-    start = start_record(env, shim, spec, _utc_now())
+    start = start_record(env, shim, spec, _utc_now(), os.environ)
     metrics = RunDir(run_dir).metrics if run_dir is not None else None
     metrics_before = _size(metrics) if metrics is not None else -1
     if main_rank:

@@ -37,6 +37,7 @@ def _check_run(proc, checkout: Path, before: set[str], made: set[str]) -> Path:
     records = jsonl_records(run_dir / "metrics.jsonl")
     (start,), (end,) = ([r for r in records if r["kind"] == k] for k in ("start", "end"))
     assert start["world_size"] == 2 and end["status"] == "completed" and end["process_group_world"] == 2, records
+    assert (start["launcher"], start["slurm_job_id"]) == ("local", None), "no job id that no scheduler gave"
     new = tree(checkout) - before
     assert {p.split("/")[-1] for p in new} <= made, f"unexpected files in the checkout: {sorted(new)}"
     assert not [p for p in (run_dir / "script").rglob("*") if p.name in ("Datasets", "data", "MNIST")], \

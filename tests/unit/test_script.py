@@ -206,6 +206,10 @@ def test_time_to_solution_records_give_the_wall_time_speedup() -> None:
     spec = spec_from_dict({"script": {"path": "/a/t.py", "batch_size": 64, "sha256": SHA}})
     start = start_record(env, shim, spec, "2026-01-01T00:00:00.000+00:00")
     assert (start["world_size"], start["hostnames"], start["sha256"], start["script"]) == (2, ["c1"], SHA, "/a/t.py")
+    assert (start["launcher"], start["slurm_job_id"]) == ("slurm", "9")
+    # the local launcher's SLURM_JOB_ID is made up: no job id, launcher "local" (as the engine's records say)
+    local = start_record(env, shim, spec, "2026-01-01T00:00:00.000+00:00", {"CYCLONE_LAUNCHER": "local"})
+    assert (local["launcher"], local["slurm_job_id"]) == ("local", None)
     end = end_record("completed", 0, 4.0, "2026-01-01T00:00:04.000+00:00")
     head, tail = time_to_solution_records(start, end, spec, "t")
     assert head["kind"] == "start" and head["strategy"] == TIME_TO_SOLUTION and head["world_size"] == 2
