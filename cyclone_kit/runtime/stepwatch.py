@@ -163,8 +163,12 @@ def end_time(now: float, time_left: str | None) -> float | None:
 
 
 # --------------------------------------------------------------------------- the run directory
-def segment_view(run_dir: Path, segment: str, since: float) -> SegmentView:
-    """Read this segment's failure record, error records and progress records."""
+def segment_view(run_dir: Path, segment: str, since: float, stale: Mapping[str, float] | None = None) -> SegmentView:
+    """Read this segment's failure record, error records and progress records.
+
+    ``stale``: error records (path -> mtime) that existed when the step started: unchanged since, they
+    belong to the step before an in-job restart, however close before it they were written.
+    """
     from cyclone_kit.rundir.fileio import read_json
     from cyclone_kit.rundir.layout import RunDir
 
@@ -175,7 +179,7 @@ def segment_view(run_dir: Path, segment: str, since: float) -> SegmentView:
     errors = {}
     for path in rd.error_records():
         rec = read_json(path)
-        if isinstance(rec, dict) and isinstance(rec.get("rank"), int) and _newer(path, since):
+        if isinstance(rec, dict) and isinstance(rec.get("rank"), int) and _newer(path, since) and not _same(path, stale):
             errors[rec["rank"]] = rec
     progress = {}
     for path in rd.progress_records():
@@ -183,6 +187,24 @@ def segment_view(run_dir: Path, segment: str, since: float) -> SegmentView:
         if isinstance(rec, dict) and rec.get("segment") == segment and isinstance(rec.get("rank"), int):
             progress[rec["rank"]] = rec
     return SegmentView(failure if isinstance(failure, dict) else None, errors, progress)
+
+
+def _same(path: Path, stale: Mapping[str, float] | None) -> bool:
+    """Whether ``path`` is as it was when recorded in ``stale``."""
+    if not stale or str(path) not in stale:
+        return False
+    try:
+        return path.stat().st_mtime == stale[str(path)]
+    except OSError:
+        return False
+
+
+def _mtimes(paths: Sequence[Path]) -> dict[str, float]:
+    out = {}
+    for path in paths:
+        with contextlib.suppress(OSError):
+            out[str(path)] = path.stat().st_mtime
+    return out
 
 
 def _newer(path: Path, since: float) -> bool:
@@ -521,8 +543,11 @@ def _run_step(argv: Sequence[str], env: dict[str, str], run_dir: Path, job: str,
               on_first: Callable[[tuple[Any, Any]], None], poll_s: float = 1.0, restarts: bool = False) -> _Step:
     """Run one srun step and watch it to its end (the cancel rules of the module doc); with ``restarts``
     srun is not waited for once only the vanished ranks are left (:func:`only_lost_left`)."""
+    from cyclone_kit.rundir.layout import RunDir
+
     started = time.time()
     segment = failures.segment_id(env)
+    stale = _mtimes(RunDir(run_dir).error_records())
     child = subprocess.Popen(list(argv), env=env)
     terminated: list[int] = []
     waiting = pending  # the restart whose first step is awaited
@@ -535,7 +560,7 @@ def _run_step(argv: Sequence[str], env: dict[str, str], run_dir: Path, job: str,
     try:
         while (code := _wait(child, poll_s)) is None:
             now = time.time()
-            view = segment_view(run_dir, segment, started)
+            view = segment_view(run_dir, segment, started, stale)
             if waiting is not None:
                 found = _first_step(run_dir, str(waiting.get("restart_time", "")))
                 if found is not None:
@@ -562,7 +587,7 @@ def _run_step(argv: Sequence[str], env: dict[str, str], run_dir: Path, job: str,
             signal.signal(sig, handler)
     if waiting is not None and (found := _first_step(run_dir, str(waiting.get("restart_time", "")))) is not None:
         on_first(found)  # a short segment may end between two looks
-    view = segment_view(run_dir, segment, started)
+    view = segment_view(run_dir, segment, started, stale)
     if terminated:
         return _Step(code, True, view, None)
     lost = vanished(view)
@@ -572,7 +597,7 @@ def _run_step(argv: Sequence[str], env: dict[str, str], run_dir: Path, job: str,
         doc = lost_failure(lost, view, job, segment)
         failures.write_failure(run_dir, doc, first_wins=view.failure is None)
         _say(doc["root_cause"])
-        view = segment_view(run_dir, segment, started)
+        view = segment_view(run_dir, segment, started, stale)
     return _Step(code, False, view, cause_of(view))
 
 

@@ -199,3 +199,18 @@ def test_only_lost_left_once_every_other_rank_is_gone():
     assert not sw.only_lost_left(_view(running, peer))  # rank 0 has not exited yet
     assert sw.only_lost_left(_view({**running, 0: {"state": "exited"}}, peer))
     assert not sw.only_lost_left(_view({0: {"state": "exited"}, 1: {"state": "running"}}))  # no peer-lost error
+
+
+def test_segment_view_leaves_out_the_records_of_the_step_before_a_restart(tmp_path):
+    import json
+    import time
+
+    (tmp_path / "ranks").mkdir()
+    old = tmp_path / "ranks" / "error-rank-00001.json"
+    old.write_text(json.dumps({"rank": 1, "type": "Stalled"}))
+    (tmp_path / "failure.json").write_text(json.dumps({"cause": "stalled", "segment": "7:0"}))
+    now = time.time()  # the restarted step starts right after the old step's records were written
+    stale = {str(old): old.stat().st_mtime}
+    view = sw.segment_view(tmp_path, "7:0.1", now, stale)
+    assert (view.failure, view.errors, view.failed) == (None, {}, False)
+    assert sw.segment_view(tmp_path, "7:0", now).errors  # without the snapshot: taken as this step's
