@@ -17,6 +17,14 @@
 
 submitit keeps its pickles and per-task logs in ``RUN_DIR/submitit``; the runtime writes the
 same ``metrics.jsonl`` as with the other backends.
+
+What its batch script holds (``submit --backend submitit --dry-run`` prints it: :func:`sbatch_text`,
+submitit's own renderer on the same parameters, so it is what submitit writes): the profile's set-up,
+the run directory, threads and malloc settings, and the same rendezvous as the sbatch templates (the
+first host and a port derived from the job id that is free on it, :func:`rendezvous_lines`). What it
+lacks, and says in a comment line of that script (:data:`NO_STEP_WATCHER`): submitit writes the
+``srun`` line itself, so no step watcher runs around it; a node whose processes die is then found only
+when its peers' collective times out, and a stalled step ends the job instead of requeuing it.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from cyclone_kit.backends.base import JobHandle, log_files
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.errors import RankFailure, SlurmError, ValidationError
 from cyclone_kit.core.malloc import GLIBC_TUNABLES
+from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN
 from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.slurm import argv as slurm_argv
 
@@ -42,6 +51,10 @@ if TYPE_CHECKING:
     from cyclone_kit.slurm.parse import JobInfo
 
 EXECUTORS = ("auto", "slurm", "local")
+#: The comment line a submitit batch script carries about the protection it lacks.
+NO_STEP_WATCHER = ("# cyclone_kit: submitit writes the srun line itself, so no step watcher runs around it: a node "
+                   "whose processes die is found only when its peers' collective times out, and a stalled step "
+                   "ends the job instead of requeuing it (--backend slurm has both)")
 
 
 def train(run_dir: str) -> int:
@@ -84,12 +97,30 @@ def _record_failure(run_dir: Path, code: int, error: BaseException | None) -> No
                                      exit_code=code, fallback=fallback)
 
 
-def slurm_parameters(job: Any, run_dir: Path | str) -> dict[str, Any]:
+def rendezvous_lines(python: str) -> list[str]:
+    """The batch script's rendezvous, as in templates/base.sbatch.j2 (pure): the allocation's first host,
+    and a port derived from the job id that is free there (:mod:`cyclone_kit.core.ports`) unless
+    MASTER_PORT was exported before submitting."""
+    py = shlex.quote(python)
+    return [
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
+        "export MASTER_ADDR",
+        f'if [ -z "${{MASTER_PORT:-}}" ]; then MASTER_PORT="$({py} -m cyclone_kit.core.ports {PORT_BASE} {PORT_SPAN} '
+        f'"$SLURM_JOB_ID" 2>/dev/null)" || MASTER_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} )); fi',
+        "export MASTER_PORT",
+        'echo "cyclone_kit: job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST} master ${MASTER_ADDR}:${MASTER_PORT} '
+        'restart ${SLURM_RESTART_COUNT:-0}"',
+    ]
+
+
+def slurm_parameters(job: Any, run_dir: Path | str, python: str | None = None) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` keywords for a resolved job (pure).
 
     The checkpoint signal and requeue flag of the spec are carried over, the profile's modules,
-    environment and setup lines become submitit ``setup`` lines (values shell-quoted), and srun
-    is told ``--cpus-per-task`` (since Slurm 22.05 srun no longer inherits it from sbatch).
+    environment and setup lines become submitit ``setup`` lines (values shell-quoted), followed by
+    the rendezvous of :func:`rendezvous_lines` (``python`` runs the port check; default this
+    interpreter) and the :data:`NO_STEP_WATCHER` comment, and srun is told ``--cpus-per-task``
+    (since Slurm 22.05 srun no longer inherits it from sbatch).
     """
     spec, prof = job.spec, job.profile
     ck = spec.checkpoint
@@ -104,6 +135,8 @@ def slurm_parameters(job: Any, run_dir: Path | str) -> dict[str, Any]:
         f"export OMP_NUM_THREADS={int(job.cpus_per_task)}",
         f'export GLIBC_TUNABLES="${{GLIBC_TUNABLES-{GLIBC_TUNABLES}}}"',
         f"export SUBMITIT_PREEMPT_SIGNAL={shlex.quote(ck.signal)}",
+        *rendezvous_lines(python or sys.executable),
+        NO_STEP_WATCHER,
     ]
     extra: dict[str, Any] = {"signal": f"{ck.signal}@{ck.signal_lead_s}"}
     if ck.requeue:
@@ -133,6 +166,22 @@ def slurm_parameters(job: Any, run_dir: Path | str) -> dict[str, Any]:
     if spec.resources.exclusive:
         params["exclusive"] = True
     return params
+
+
+def submitit_command(python: str, folder: Path) -> str:
+    """The command submitit's batch script runs on every task (``SlurmExecutor._submitit_command_str``)."""
+    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def sbatch_text(job: Any, run_dir: Path | str, python: str | None = None) -> str:
+    """The batch script submitit writes for ``job`` in ``run_dir``: submitit's own renderer on
+    :func:`slurm_parameters` (what ``submit --backend submitit --dry-run`` prints)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    py = python or sys.executable
+    folder = Path(RunDir(Path(run_dir).absolute()).submitit).expanduser().absolute()
+    return _make_sbatch_string(command=submitit_command(shlex.quote(py), folder), folder=folder,
+                               **slurm_parameters(job, Path(run_dir).absolute(), python=py))
 
 
 def local_parameters(job: Any, timeout_min: float | None = None) -> dict[str, Any]:
@@ -231,7 +280,7 @@ class SubmititBackend:
     def _submit_slurm(self, job: Any, run_dir: Path, folder: Path, dependency: str | None) -> str:
         import submitit
 
-        params = slurm_parameters(job, run_dir)
+        params = slurm_parameters(job, run_dir, python=self.python or sys.executable)
         if dependency:
             params["dependency"] = dependency
         try:

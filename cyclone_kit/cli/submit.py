@@ -35,7 +35,13 @@ def run(args: argparse.Namespace) -> int:
     check_backend(job.spec, args.backend)
     runs_dir = Path(args.runs_dir).absolute()
     if args.dry_run:
-        sys.stdout.write(render_script(job, runs_dir / run_dir_name(job.spec.name)))
+        run_dir = runs_dir / run_dir_name(job.spec.name)
+        if args.backend == "submitit":  # the script submitit itself writes, not the sbatch template
+            from cyclone_kit.backends.submitit_ import sbatch_text
+
+            sys.stdout.write(sbatch_text(job, run_dir))
+        else:
+            sys.stdout.write(render_script(job, run_dir))
         return 0
     if job.profile.account_required and not job.account:
         raise ValidationError(

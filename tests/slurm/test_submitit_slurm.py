@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,14 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def test_submit_backend_submitit_runs_four_ranks_on_two_nodes(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
-    """Issue 4: `submit jobs/smoke.toml --nodes 2 --ntasks-per-node 2` through `--backend submitit`."""
-    result = run_cli("submit", str(REPO / "jobs" / "smoke.toml"), "--profile", "local", "--partition", "cpu",
-                     "--nodes", "2", "--ntasks-per-node", "2", "--backend", "submitit", "--runs-dir", str(tmp_path),
-                     "--set", "train.steps=10", timeout=HANG_S)
+    """Issue 4: `submit jobs/smoke.toml --nodes 2 --ntasks-per-node 2` through `--backend submitit`; issue 30:
+    its `--dry-run` printed, byte for byte, the batch script submitit then wrote and Slurm ran."""
+    argv = ("submit", str(REPO / "jobs" / "smoke.toml"), "--profile", "local", "--partition", "cpu",
+            "--nodes", "2", "--ntasks-per-node", "2", "--backend", "submitit", "--runs-dir", str(tmp_path),
+            "--set", "train.steps=10")
+    dry = run_cli(*argv, "--dry-run", timeout=HANG_S)
+    assert dry.returncode == 0 and not list(tmp_path.iterdir()), dry.stderr
+    result = run_cli(*argv, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     job_id = (run_dir / "job_id").read_text().strip()
@@ -43,6 +48,12 @@ def test_submit_backend_submitit_runs_four_ranks_on_two_nodes(slurm_cluster: dic
     script = next((run_dir / "submitit").glob("*_submission.sh")).read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
     assert "#SBATCH --signal=USR2@60" in script and "--cpus-per-task 1" in script
+    # The dry run named its run directory for the second it ran in; the rest is the same text.
+    shown = re.search(r"^export CYCLONE_RUN_DIR=(\S+)$", dry.stdout, re.M)
+    assert shown, dry.stdout
+    assert dry.stdout.replace(shown.group(1), str(run_dir)) == script, "the dry run is what submitit wrote"
+    out = "".join(p.read_text() for p in (run_dir / "submitit").glob("*_0_log.out"))
+    assert re.search(r"^cyclone_kit: job \d+ on c\[1-2\] master c1:\d+ restart 0$", out, re.M), out[-2000:]
 
 
 def test_dependency_is_passed_to_sbatch(submit, tmp_path: Path) -> None:

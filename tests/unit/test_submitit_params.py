@@ -64,3 +64,4 @@ def test_executor_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         SubmititBackend().chosen_executor()
     with pytest.raises(ValidationError, match="unknown submitit executor"):
         SubmititBackend(executor="pbs")
+
