@@ -100,8 +100,8 @@ def restart_line(entry: Mapping[str, Any], limit: int | None = None) -> str:
         before, after = entry.get("world_size_before"), entry.get("world_size_after")
         how = ", ".join(p for p in (how, f"shrunk: world {before} -> {after} ranks") if p)
         batch = (entry.get("global_batch_before"), entry.get("global_batch_after"))
-        if all(isinstance(b, int) for b in batch) and batch[0] != batch[1]:
-            how += f", global batch {batch[0]} -> {batch[1]}"
+        if all(isinstance(b, int) for b in batch):
+            how += f", global batch {batch[0]} -> {batch[1]}" if batch[0] != batch[1] else f", global batch {batch[0]} kept"
     line += f"; left out {left}, now {now}" + (f" ({how})" if how else "")
     if entry.get("first_step_time"):
         recovery = entry.get("recovery_s")

@@ -18,6 +18,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cyclone_kit.core.errors import CycloneError
 
@@ -51,6 +52,7 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         stop_flag = catch_stop_signals(spec.checkpoint.signal)
         env = detect(environ)
         rank, host = env.rank, env.host or host
+        spec = _kept_global_batch(spec, env.world_size, environ, rank)
         from cyclone_kit.runtime.dist import teardown
         from cyclone_kit.runtime.engine import run as train
 
@@ -68,6 +70,21 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         except OSError as write_error:
             sys.stderr.write(f"cyclone_kit: could not write the error record: {write_error}\n")
         raise
+
+
+def _kept_global_batch(spec: Any, world_size: int, environ: Any, rank: int) -> Any:
+    """The spec of a step restarted on fewer ranks inside the job, keeping the run's global batch (plan.py)."""
+    raw = str(environ.get("CYCLONE_GLOBAL_BATCH", ""))
+    if not raw.isdigit() or getattr(spec, "train", None) is None:
+        return spec
+    import dataclasses
+
+    from cyclone_kit.runtime.plan import keep_global_batch
+
+    train, said = keep_global_batch(spec.train, world_size, int(raw))
+    if said and rank == 0:
+        print(f"cyclone_kit: in-job restart on {world_size} rank(s): {said}", flush=True)
+    return dataclasses.replace(spec, train=train)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -79,6 +79,31 @@ def make_plan(train: TrainConfig, world_size: int, samples_per_rank: int) -> Pla
     )
 
 
+#: Set by the step watcher on a step restarted inside the job: the global batch of the run before it.
+GLOBAL_BATCH_VAR = "CYCLONE_GLOBAL_BATCH"
+
+
+def keep_global_batch(train: TrainConfig, world_size: int, global_batch: int) -> tuple[TrainConfig, str]:
+    """``train`` with ``grad_accum`` set so that ``world_size`` ranks keep ``global_batch`` (pure), and what
+    was done in words. A world that shrank after an in-job restart accumulates more micro-batches per
+    optimizer step, so the global batch, the learning rate and the schedule stay those of the run;
+    when ``global_batch`` is not a multiple of ``batch_size x world_size`` (or the strategy is the
+    pipeline, whose micro-batches are its own) it is left as it is and said so."""
+    import dataclasses
+
+    per_step = train.batch_size * world_size
+    now = per_step * train.grad_accum
+    if now == global_batch:
+        return train, ""
+    if train.strategy == "pipeline" or global_batch % per_step:
+        return train, (f"global batch {now} (was {global_batch}): {global_batch} is not a whole number of "
+                       f"{world_size} rank(s) x batch {train.batch_size}" if train.strategy != "pipeline"
+                       else f"global batch {now} (was {global_batch}): the pipeline keeps its micro-batches")
+    accum = global_batch // per_step
+    return (dataclasses.replace(train, grad_accum=accum),
+            f"global batch {global_batch} kept on {world_size} rank(s): grad_accum {train.grad_accum} -> {accum}")
+
+
 def resolve_precision(requested: str, device_kind: str, bf16_supported: bool) -> str:
     """``auto`` -> bf16 (or fp16) on CUDA, fp32 on CPU; fp16 on CPU falls back to fp32 (pure).
 

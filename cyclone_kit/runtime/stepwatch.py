@@ -441,6 +441,8 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
             env[failures.INJOB_RESTARTS_VAR] = str(attempt)
         if pending is not None:
             env["MASTER_ADDR"], env["MASTER_PORT"] = pending["master"].rsplit(":", 1)
+            if isinstance(pending.get("global_batch_before"), int):  # the engine keeps it where it can
+                env["CYCLONE_GLOBAL_BATCH"] = str(pending["global_batch_before"])
         words = step_argv(argv, current, policy.tasks_per_node, attempt) if policy is not None and current else list(argv)
         step = _run_step(words, env, run_dir, job, pending, lambda pair: _note_first_step(run_dir, job, restarts, pair),
                          poll_s, restarts=policy is not None)
@@ -450,7 +452,7 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
             plan, why = _plan_restart(policy, attempt, allocation, current, bad, step, job)
             if plan is not None:
                 attempt += 1
-                entry = _restart_entry(len(restarts) + 1, attempt, job, step, current, plan, allocation, policy, bad)
+                entry = _restart_entry(run_dir, len(restarts) + 1, attempt, job, step, current, plan, allocation, policy, bad)
                 entry["requeue"] = int(requeues) if requeues.isdigit() else 0
                 restarts.append(entry)
                 _write_restarts(run_dir, restarts, job)
@@ -498,8 +500,8 @@ def _plan_restart(policy: RestartPolicy, attempt: int, allocation: list[str], cu
     return plan, ""
 
 
-def _restart_entry(number: int, attempt: int, job: str, step: _Step, current: list[str], plan: list[str], allocation: list[str],
-                   policy: RestartPolicy, bad: set[str]) -> dict[str, Any]:
+def _restart_entry(run_dir: Path, number: int, attempt: int, job: str, step: _Step, current: list[str],
+                   plan: list[str], allocation: list[str], policy: RestartPolicy, bad: set[str]) -> dict[str, Any]:
     """The ``restarts.json`` entry of a restart now starting."""
     from cyclone_kit.core.ports import can_bind
 
@@ -512,6 +514,7 @@ def _restart_entry(number: int, attempt: int, job: str, step: _Step, current: li
             "fault_time": fault_time(failure, step.view), "detected_time": failure.get("time"),
             "restart_time": failures.utc_now(), "last_step": last_step(step.view),
             "master": f"{plan[0]}:{restart_port(job, attempt, can_bind)}",
+            "global_batch_before": _global_batch_before(run_dir, failures.utc_now()),
             "allocation": list(allocation)}
 
 
@@ -524,17 +527,18 @@ def _note_first_step(run_dir: Path, job: str, restarts: list[dict[str, Any]], pa
     restarts[-1] = with_first_step(entry, first_step=int(first["step"]), first_step_time=str(first.get("time")),
                                    start_step=start.get("start_step") if isinstance(start.get("start_step"), int) else None,
                                    global_batch=start.get("global_batch_size"))
-    restarts[-1]["global_batch_before"] = _global_batch_before(run_dir, entry)
     _write_restarts(run_dir, restarts, job)
     _say(f"in-job restart {entry['restart']}: first step again (step {first['step']}) "
          f"{restarts[-1].get('recovery_s')} s after the fault")
 
 
-def _global_batch_before(run_dir: Path, entry: Mapping[str, Any]) -> int | None:
+def _global_batch_before(run_dir: Path, before: str) -> int | None:
+    """The global batch of the run's first segment (the one a restarted step keeps), None for a script."""
     from cyclone_kit.rundir.layout import RunDir
 
     starts = [r for r in failures.read_records(RunDir(run_dir).metrics)
-              if r.get("kind") == "start" and str(r.get("time", "")) < str(entry.get("restart_time", ""))]
+              if r.get("kind") == "start" and str(r.get("time", "")) < before]
+    starts = starts[:1]
     value = starts[-1].get("global_batch_size") if starts else None
     return value if isinstance(value, int) else None
 

@@ -10,7 +10,7 @@ the same job (no requeue, no queue wait), on a spare node or on fewer nodes, fro
   rank 1 sleeps forever before step :data:`HANG_STEP` while rank 0 waits in DDP's all-reduce: no exception,
   no exit. The progress watchdogs end the step; the watcher restarts it on the spare.
 * **A lost node, no spare, ``--min-nodes 1``**: the step shrinks from 2 nodes to 1 (world 2 -> 1) and
-  completes; ``restarts.json`` says what changed (world size, global batch).
+  completes; the engine keeps the global batch (grad_accum 1 -> 2) and ``restarts.json`` says what changed.
 
 Each asserts the same job id completed without a requeue (``scontrol show job``: Restarts=0; every
 ``start`` record's restart_count is 0), that the new segment resumed from the newest checkpoint, what
@@ -230,9 +230,10 @@ def test_a_lost_node_shrinks_the_step_to_min_nodes_in_the_same_job(slurm_cluster
         "rank_lost", [victim], [kept], [], True), entry
     assert [s["world_size"] for s in starts] == [2, 1] and starts[1]["hostnames"] == [kept], starts
     assert (entry["world_size_before"], entry["world_size_after"]) == (2, 1), entry
-    assert (entry["global_batch_before"], entry["global_batch_after"]) == (
-        starts[0]["global_batch_size"], starts[1]["global_batch_size"]), entry
+    # the engine keeps the global batch on the smaller world: twice the micro-batches per optimizer step
+    assert [(s["global_batch_size"], s["grad_accum"]) for s in starts] == [(64, 1), (64, 2)], starts
+    assert (entry["global_batch_before"], entry["global_batch_after"]) == (64, 64), entry
     assert newest <= starts[1]["start_step"] < HOLD, (newest, starts[1])
     _print_recovery(job_id, entry, killed_at)
     out = _check_status(job_id, run_dir, "smoke", f"RANK_LOST on {victim}")
-    assert f"now {kept} (shrunk: world 2 -> 1 ranks" in out, out
+    assert f"now {kept} (shrunk: world 2 -> 1 ranks, global batch 64 kept)" in out, out

@@ -214,3 +214,18 @@ def test_segment_view_leaves_out_the_records_of_the_step_before_a_restart(tmp_pa
     view = sw.segment_view(tmp_path, "7:0.1", now, stale)
     assert (view.failure, view.errors, view.failed) == (None, {}, False)
     assert sw.segment_view(tmp_path, "7:0", now).errors  # without the snapshot: taken as this step's
+
+
+def test_keep_global_batch_accumulates_on_a_shrunk_world():
+    from cyclone_kit.config.job import TrainConfig
+    from cyclone_kit.runtime.plan import keep_global_batch
+
+    tc = TrainConfig(model="tiny_cnn", batch_size=32)
+    kept, said = keep_global_batch(tc, 1, 64)
+    assert kept.grad_accum == 2 and said == "global batch 64 kept on 1 rank(s): grad_accum 1 -> 2"
+    assert keep_global_batch(tc, 2, 64) == (tc, "")
+    same, said = keep_global_batch(tc, 3, 64)
+    assert same is tc and said.startswith("global batch 96 (was 64): 64 is not a whole number of 3 rank(s)")
+    entry = {**ENTRY, "shrunk": True, "spares": [], "nodes_after": ["c1"], "world_size_after": 1,
+             "global_batch_after": 64}
+    assert "(shrunk: world 2 -> 1 ranks, global batch 64 kept)" in restart_line(entry)
