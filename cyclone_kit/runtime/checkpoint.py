@@ -177,27 +177,38 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
     return final
 
 
-def snapshot(state: Any) -> Any:
-    """A copy of ``state`` in host memory that nothing the caller does later can change (pure).
+def snapshot(state: Any, into: Any = None) -> Any:
+    """A copy of ``state`` in host memory that nothing the caller does later can change.
 
     Tensors are detached and copied to the CPU (a real copy, also for CPU tensors: a parameter's
     or momentum buffer's storage is updated in place by the next optimizer step); dicts, lists and
     tuples are rebuilt (a dict keeps its type and attributes, e.g. a state dict's ``_metadata``);
-    anything else (ints, floats, strings, None, ``torch.Size`` ...) is kept as it is.
+    anything else (ints, floats, strings, None, ``torch.Size`` ...) is kept as it is. Tensors
+    that shared storage in ``state`` (tied weights) are copied separately.
+
+    ``into``: an earlier snapshot of the same structure that nothing uses any more (its write is
+    finished): a CPU tensor of the same shape, dtype and strides at the same place is reused
+    (``copy_``) instead of allocating (and page-faulting in) a new one.
     """
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        t = state.detach()
+        if (isinstance(into, torch.Tensor) and into.device.type == "cpu" and into.layout == t.layout == torch.strided
+                and into.dtype == t.dtype and into.shape == t.shape and into.stride() == t.stride()
+                and not t.is_conj() and not t.is_neg()):
+            return into.copy_(t)
+        return t.to("cpu", copy=True)
     if isinstance(state, dict):
         out = state.copy()
+        old = into if isinstance(into, dict) else {}
         for key, value in state.items():
-            out[key] = snapshot(value)
+            out[key] = snapshot(value, old.get(key))
         if getattr(state, "__dict__", None):
             out.__dict__.update(state.__dict__)
         return out
-    if isinstance(state, list):
-        return [snapshot(v) for v in state]
-    if type(state) is tuple:
-        return tuple(snapshot(v) for v in state)
+    if isinstance(state, list | tuple) and (type(state) is list or type(state) is tuple):
+        old_items = list(into) if isinstance(into, list | tuple) and len(into) == len(state) else [None] * len(state)
+        items = [snapshot(v, o) for v, o in zip(state, old_items, strict=True)]
+        return items if type(state) is list else tuple(items)
     return state
 
 

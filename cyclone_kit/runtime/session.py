@@ -85,6 +85,7 @@ class Session:
     watch: Any = None
     ckpt_writer: Any = None
     ckpt_stats: dict[str, Any] = field(default_factory=dict)
+    ckpt_spare: Any = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -247,7 +248,8 @@ class Session:
                     path = self._write_checkpoint(state, step, after_write)
                 else:
                     t0 = time.perf_counter()
-                    copy = ckpt.snapshot(state)
+                    copy = ckpt.snapshot(state, into=self.ckpt_spare)  # the finished write's buffers, reused
+                    self.ckpt_spare = copy
                     self._count("checkpoint_snapshot_s", time.perf_counter() - t0)
                     if self.ckpt_writer is None:
                         self.ckpt_writer = ckpt.BackgroundWriter()

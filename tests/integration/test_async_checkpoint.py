@@ -5,7 +5,8 @@ The moments are made, never waited out: the script holds its background write on
 it go only once the test's condition holds (its state mutated; the next save waiting for it,
 read from the main thread's stack). The engine's side (a SIGKILL during a background write, the
 stop checkpoint complete at exit, the resumed trajectory) is in test_signals.py and test_ddp.py;
-a background write that finds the disk full, in test_checkpoint_faults.py.
+a background write that finds the disk full, in test_checkpoint_faults.py. Three saves in the
+background, one blocking; ``ck.finish()`` returns with the last background write in place.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ SCRIPT = """
     ck.log_step(3, samples=4, loss=1.0)
     third = ck.save_checkpoint({"model": model.state_dict(), "step": 3}, blocking=True)
     complete_on_return = third.exists() and ckmod.digest_path(third).exists()
-    ck.finish()
+    last = ck.save_checkpoint({"model": model.state_dict(), "step": 4})  # in the background, right before the end
+    ck.finish()  # finishes the write: the file is complete here, not only at interpreter exit
     print("RESULT " + json.dumps({"returned_before_written": returned_before_written,
                                   "complete_on_return": complete_on_return,
+                                  "complete_after_finish": ckmod.verify_checkpoint(last),
                                   "main_thread": {str(k): v for k, v in threads.items()}}), flush=True)
 """
 
@@ -82,14 +85,15 @@ def test_background_write_copies_the_state_waits_for_the_previous_write_and_says
     script.write_text(textwrap.dedent(SCRIPT))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "spec.json").write_text(json.dumps({"checkpoint": {"keep": 3}}))  # ck.init reads [checkpoint]
+    (run_dir / "spec.json").write_text(json.dumps({"checkpoint": {"keep": 4}}))  # ck.init reads [checkpoint]
     proc = subprocess.run([sys.executable, str(script), str(run_dir)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=TIMEOUT_S, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
     # steps 1 and 2 were written by the background thread, step 3 (blocking=True) by the caller
-    assert result["main_thread"] == {"1": False, "2": False, "3": True}, result
+    assert result["main_thread"] == {"1": False, "2": False, "3": True, "4": False}, result
     assert result["returned_before_written"] and result["complete_on_return"], result
+    assert result["complete_after_finish"], "ck.finish() returns once the last background write is in place"
     folder = run_dir / "checkpoints"
     one = ckpt.load_checkpoint(ckpt.checkpoint_path(folder, 1))["user_state"]
     two = ckpt.load_checkpoint(ckpt.checkpoint_path(folder, 2))["user_state"]
@@ -100,7 +104,7 @@ def test_background_write_copies_the_state_waits_for_the_previous_write_and_says
     # the second save waited for the first write: the console and the end record say so
     assert "cyclone_kit: checkpoint of step 2 waited" in proc.stdout and "for the write of step 1" in proc.stdout
     end = [r for r in jsonl_records(run_dir / "metrics.jsonl") if r["kind"] == "end"][-1]
-    assert end["status"] == "completed" and end["checkpoints_async"] == 2, end
+    assert end["status"] == "completed" and end["checkpoints_async"] == 3, end
     assert end["checkpoint_waits"] >= 1 and end["checkpoint_wait_s"] > 0 and end["checkpoint_snapshot_s"] > 0, end
-    assert [s for s, _ in ckpt.list_checkpoints(folder)] == [3, 2, 1]
+    assert [s for s, _ in ckpt.list_checkpoints(folder)] == [4, 3, 2, 1]
     assert not list(folder.glob(".ckpt-*")), "no temporary file left"

@@ -253,3 +253,15 @@ def time_wait(writer: ck.BackgroundWriter) -> None:
         if frame is not None:
             return
         time.sleep(0.001)
+
+
+def test_snapshot_into_a_finished_snapshot_reuses_its_buffers() -> None:
+    state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3), "t": (torch.zeros(2),), "step": 1}
+    first = ck.snapshot(state)
+    state["w"].add_(10)
+    state["b"] = torch.ones(4)  # another shape: a new buffer
+    second = ck.snapshot(state, into=first)
+    assert second["w"].data_ptr() == first["w"].data_ptr() and torch.equal(second["w"], state["w"])
+    assert second["b"].shape == (4,) and second["t"][0].data_ptr() == first["t"][0].data_ptr()
+    state["w"].add_(1)
+    assert not torch.equal(second["w"], state["w"]), "still a copy"
