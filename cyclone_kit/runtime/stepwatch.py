@@ -482,22 +482,29 @@ def _write_restarts(run_dir: Path, restarts: Sequence[Mapping[str, Any]], job: s
     write_restarts(run_dir, restarts, job)
 
 
-def _plan_restart(policy: RestartPolicy, attempt: int, allocation: list[str], current: list[str], bad: set[str],
-                  step: _Step, job: str) -> tuple[list[str] | None, str]:
-    """The nodes of the next in-job restart, or None and why not."""
+def restart_plan(policy: RestartPolicy, attempt: int, alive: Sequence[str], current: Sequence[str],
+                 bad: set[str]) -> tuple[list[str] | None, str]:
+    """The nodes of the next in-job restart, or None and why not (pure): ``attempt`` restarts were made in
+    this run of the job, ``alive`` is the allocation now, ``bad`` the nodes left out (blamed or unhealthy)."""
     if attempt >= policy.max_restarts:
         return None, f"already restarted {attempt} time(s) in the job (checkpoint.max_restarts={policy.max_restarts})"
-    blamed = bad_hosts(step.view.failure, step.view)
-    if not blamed:
-        return None, "no record names the bad node"
-    bad.update(blamed)
-    bad.update(_unhealthy(allocation))
-    alive = _allocation({}, job) or allocation
+    if not bad & set(current):
+        return None, "no record names a node of the step as the bad one"
     plan = next_nodes(alive, current, bad, policy.nodes, policy.min_nodes)
     if plan is None:
         return None, (f"no healthy node left to restart on (left out {','.join(sorted(bad))}; at least "
                       f"{policy.min_nodes} needed)")
     return plan, ""
+
+
+def _plan_restart(policy: RestartPolicy, attempt: int, allocation: list[str], current: list[str], bad: set[str],
+                  step: _Step, job: str) -> tuple[list[str] | None, str]:
+    """:func:`restart_plan` on what the step's records blame and what Slurm says now (``bad`` grows)."""
+    if attempt >= policy.max_restarts:
+        return restart_plan(policy, attempt, allocation, current, bad)
+    bad.update(bad_hosts(step.view.failure, step.view))
+    bad.update(_unhealthy(allocation))
+    return restart_plan(policy, attempt, _allocation({}, job) or allocation, current, bad)
 
 
 def _restart_entry(run_dir: Path, number: int, attempt: int, job: str, step: _Step, current: list[str],

@@ -229,3 +229,13 @@ def test_keep_global_batch_accumulates_on_a_shrunk_world():
     entry = {**ENTRY, "shrunk": True, "spares": [], "nodes_after": ["c1"], "world_size_after": 1,
              "global_batch_after": 64}
     assert "(shrunk: world 2 -> 1 ranks, global batch 64 kept)" in restart_line(entry)
+
+
+def test_restart_plan_falls_back_to_the_requeue():
+    policy = sw.RestartPolicy(2, 2, 1, max_restarts=1)
+    assert sw.restart_plan(policy, 0, ALLOC, ["c1", "c2"], {"c2"}) == (["c1", "g1"], "")
+    assert sw.restart_plan(policy, 1, ALLOC, ["c1", "g1"], {"c2", "g1"}) == (
+        None, "already restarted 1 time(s) in the job (checkpoint.max_restarts=1)")
+    assert sw.restart_plan(sw.RestartPolicy(2, 2, 1), 1, ALLOC, ["c1", "g1"], {"c2", "g1"}) == (
+        None, "no healthy node left to restart on (left out c2,g1; at least 2 needed)")
+    assert sw.restart_plan(policy, 0, ALLOC, ["c1", "c2"], set())[0] is None  # nothing blamed: requeue
