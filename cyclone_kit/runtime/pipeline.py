@@ -505,6 +505,7 @@ class _Loop:
         self.pipe, self.lay, self.data, self.plan = pipe, pipe.lay, data, plan
         self.optimizer, self.scheduler, self.scaler, self.dev = optimizer, scheduler, scaler, dev
         self.step = 0
+        self.params_checked_at, self.params_warned = -1, False
 
     # -- one optimizer step: grad_accum schedule steps, then the replicas' gradients averaged
     def _step(self, batches: Any, window: dict[str, float]) -> torch.Tensor:
@@ -580,14 +581,17 @@ class _Loop:
         return status
 
     def _log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: dict[str, float]) -> None:
+        from cyclone_kit.runtime.train import nonfinite_params
+
         n = int(window["steps"])
-        loss = loss_sum / n
+        # The window's loss and how many of the stages' parameter tensors are not finite: one all-reduce.
+        packed = torch.stack([loss_sum / n, nonfinite_params(self.pipe.params).to(loss_sum.device)])
         if self.session.distributed:  # the loss lives on the last stage of each replica; the others add 0
             import torch.distributed as dist
 
-            dist.all_reduce(loss)
-            loss = loss / self.lay.replicas
-        value = float(loss.item())  # waits for the device (the all-reduce follows the last stages' work)
+            dist.all_reduce(packed)
+        loss, bad = packed.tolist()  # waits for the device (the all-reduce follows the last stages' work)
+        value = loss / self.lay.replicas if self.session.distributed else loss
         compute_s, total_s = self.pipe.clock.read()
         every = self.session.gather_to_main((compute_s, total_s))
         elapsed = max(time.perf_counter() - window["start"], 1e-9)
@@ -600,6 +604,35 @@ class _Loop:
             print(f"step {step}/{self.plan.total_steps} epoch {epoch} loss {value:.4f} "
                   f"step {elapsed / n * 1000:.1f} ms {rate:.1f} samples/s, idle per stage "
                   + " ".join(f"{t * 1000:.0f}" for t in idle) + " ms", flush=True)
+        self._judge_params(step, int(bad))
+
+    def _judge_params(self, step: int, bad: int) -> None:
+        """Stop (every rank: ``bad`` was all-reduced) when parameters are not finite, unless the spec
+        allows it: the same rule and error as the DDP/FSDP engine's."""
+        from cyclone_kit.runtime.train import params_diverged
+
+        self.params_checked_at = step
+        if not bad:
+            return
+        if not self.tc.allow_nonfinite_params:
+            raise params_diverged(step, bad, self.tc.log_every)
+        if self.env.is_main and not self.params_warned:
+            self.params_warned = True
+            print(f"cyclone_kit: warning: {bad} parameter tensor(s) of the model hold NaN or inf after step {step}: "
+                  "the parameters are not finite; training goes on (train.allow_nonfinite_params)", flush=True)
+
+    def _check_params(self, step: int) -> None:
+        """Before a checkpoint: the stages' parameters' finiteness, unless the last log step checked it."""
+        from cyclone_kit.runtime.train import nonfinite_params
+
+        if self.params_checked_at == step:
+            return
+        bad = nonfinite_params(self.pipe.params).to(self.dev)
+        if self.session.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(bad)
+        self._judge_params(step, int(bad.item()))
 
     @torch.no_grad()
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
@@ -642,6 +675,7 @@ class _Loop:
         """Every rank writes its stages' tensors (DCP); rank 0 then the small ``.pt`` naming them.
         All of it is no step for the progress watchdog (a shard write on a slow shared file
         system may outlast the stall bound), as the DDP/FSDP engine's whole save."""
+        self._check_params(step)  # never a checkpoint of weights that are not finite
         with self.session.not_a_step():
             self._write_checkpoint(step, epoch)
 

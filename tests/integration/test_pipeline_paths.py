@@ -102,3 +102,21 @@ def test_a_shard_write_slower_than_the_stall_bound_is_no_stall(tmp_path: Path) -
     assert [r["step"] for r in records(run, "step")] == list(range(1, 7))
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert {"ckpt-000000005.pt", "ckpt-000000006.pt", "ckpt-000000005.dcp", "ckpt-000000006.dcp"} <= set(names)
+
+
+def test_pipeline_weights_that_stopped_being_finite_stop_the_run(tmp_path: Path) -> None:
+    """Issue 28, bug 1's guard in the pipeline too: an LR of 1e30 blows the stages' weights up within a
+    few steps; every rank stops at the same log step with the engine's one-line error (exit 1), and no
+    checkpoint of the NaN weights is written."""
+    run = tmp_path / "blow-up"
+    write_spec(run, steps=8, val_samples=0, checkpoint={"every_steps": 4, "resume": False},
+               **{**PIPE, "lr": 1e30, "lr_scaling": "none", "log_every": 2})
+    procs = _start(run, 2, "")
+    results = finish(procs, timeout=HANG_S)
+    assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for _, _, err in results]
+    for _, _, err in results:
+        [line] = [x for x in err.splitlines() if x.startswith("error:")]
+        assert "parameter tensor(s) of the model hold NaN or inf after step" in line and "HINT:" in line, line
+    steps = records(run, "step")
+    assert steps and steps[-1]["step"] < 8 and records(run, "end")[-1]["status"] == "failed"
+    assert not list((run / "checkpoints").glob("*.pt")), "the NaN weights were not written"
