@@ -608,31 +608,18 @@ class _Loop:
 
     def _judge_params(self, step: int, bad: int) -> None:
         """Stop (every rank: ``bad`` was all-reduced) when parameters are not finite, unless the spec
-        allows it: the same rule and error as the DDP/FSDP engine's."""
-        from cyclone_kit.runtime.train import params_diverged
+        allows it: the DDP/FSDP engine's rule and error (:func:`cyclone_kit.runtime.train.judge_params`)."""
+        from cyclone_kit.runtime.train import judge_params
 
         self.params_checked_at = step
-        if not bad:
-            return
-        if not self.tc.allow_nonfinite_params:
-            raise params_diverged(step, bad, self.tc.log_every)
-        if self.env.is_main and not self.params_warned:
-            self.params_warned = True
-            print(f"cyclone_kit: warning: {bad} parameter tensor(s) of the model hold NaN or inf after step {step}: "
-                  "the parameters are not finite; training goes on (train.allow_nonfinite_params)", flush=True)
+        self.params_warned |= judge_params(step, bad, self.tc, self.env.is_main and not self.params_warned)
 
     def _check_params(self, step: int) -> None:
         """Before a checkpoint: the stages' parameters' finiteness, unless the last log step checked it."""
-        from cyclone_kit.runtime.train import nonfinite_params
+        from cyclone_kit.runtime.train import count_nonfinite
 
-        if self.params_checked_at == step:
-            return
-        bad = nonfinite_params(self.pipe.params).to(self.dev)
-        if self.session.distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(bad)
-        self._judge_params(step, int(bad.item()))
+        if self.params_checked_at != step:
+            self._judge_params(step, count_nonfinite(self.pipe.params, self.dev, self.session.distributed))
 
     @torch.no_grad()
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:

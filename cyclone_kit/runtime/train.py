@@ -54,10 +54,10 @@ from cyclone_kit.runtime.plan import (
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
 
-__all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "fsdp_mixed_precision", "fsdp_norm_policy", "gather_hosts",
-           "gather_to_main", "keep_kernel_choice", "make_optimizer", "nonfinite_params", "optimizer_step",
-           "params_diverged", "place_model", "seed_momentum", "strategy_for", "train", "unwrap", "use_fused_sgd",
-           "use_static_graph", "wrap_model"]
+__all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "count_nonfinite", "fsdp_mixed_precision", "fsdp_norm_policy",
+           "gather_hosts", "gather_to_main", "judge_params", "keep_kernel_choice", "make_optimizer", "nonfinite_params",
+           "optimizer_step", "params_diverged", "place_model", "seed_momentum", "strategy_for", "train", "unwrap",
+           "use_fused_sgd", "use_static_graph", "wrap_model"]
 
 
 
@@ -187,6 +187,30 @@ def nonfinite_params(params: Iterable[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     norms = torch._foreach_norm(tensors, float("inf"))
     return torch.stack([n.float() for n in norms]).isfinite().logical_not().sum(dtype=torch.float32)
+
+
+def judge_params(step: int, bad: int, train: TrainConfig, warn_now: bool) -> bool:
+    """What ``bad`` non-finite parameter tensors after optimizer step ``step`` mean (the engine's and the
+    pipeline's rule): :func:`params_diverged` is raised unless ``train.allow_nonfinite_params``; else the
+    warning is printed when ``warn_now`` (rank 0, the first time). Returns whether it printed."""
+    if not bad:
+        return False
+    if not train.allow_nonfinite_params:
+        raise params_diverged(step, bad, train.log_every)
+    if warn_now:
+        print(f"cyclone_kit: warning: {bad} parameter tensor(s) of the model hold NaN or inf after step {step}: "
+              "the parameters are not finite; training goes on (train.allow_nonfinite_params)", flush=True)
+    return warn_now
+
+
+def count_nonfinite(params: Iterable[torch.Tensor], device: torch.device, distributed: bool) -> int:
+    """:func:`nonfinite_params` summed over every rank (one all-reduce when ``distributed``; a host sync)."""
+    bad = nonfinite_params(params).to(device)
+    if distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(bad, op=dist.ReduceOp.SUM)
+    return int(bad.item())
 
 
 def params_diverged(step: int, bad: int, log_every: int) -> TrainingDiverged:
@@ -603,25 +627,12 @@ class _Loop:
     def _judge_params(self, step: int, bad: int) -> None:
         """Stop (every rank: ``bad`` was all-reduced) when parameters are not finite, unless the spec allows it."""
         self.params_checked_at = step
-        if not bad:
-            return
-        if not self.tc.allow_nonfinite_params:
-            raise params_diverged(step, bad, self.tc.log_every)
-        if self.env.is_main and not self.params_warned:
-            self.params_warned = True
-            print(f"cyclone_kit: warning: {bad} parameter tensor(s) of the model hold NaN or inf after step {step}: "
-                  "the parameters are not finite; training goes on (train.allow_nonfinite_params)", flush=True)
+        self.params_warned |= judge_params(step, bad, self.tc, self.env.is_main and not self.params_warned)
 
     def _check_params(self, step: int) -> None:
         """Before a checkpoint: the parameters' finiteness, unless the last log step checked it."""
-        if self.params_checked_at == step:
-            return
-        bad = nonfinite_params(self.model.parameters()).to(self.dev)
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(bad, op=dist.ReduceOp.SUM)
-        self._judge_params(step, int(bad.item()))
+        if self.params_checked_at != step:
+            self._judge_params(step, count_nonfinite(self.model.parameters(), self.dev, self.distributed))
 
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
         with self.session.not_a_step():
