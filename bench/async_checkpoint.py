@@ -20,7 +20,8 @@ ratio of a run with a checkpoint every 5 steps (``1 + (block ratio - 1) x B / (5
 larger than the block's own ratio, which has one save fewer per B steps); the median over rounds
 is the figure (each round's is printed). Also printed: the time the training thread spent inside
 ``ck.save_checkpoint`` (and the block's final wait) per checkpoint, the cost on the step's own
-path, without the background thread's competition. The state is the model's and SGD's
+path, without the background thread's competition; and the same ratio in the training thread's
+CPU time (``time.thread_time``: memory contention shows, other people's load on the host less). The state is the model's and SGD's
 (momentum) state dicts: ResNet-18 (11.2 M parameters), ~85 MiB a checkpoint, at batch 8 a
 ~0.3 s step here: a checkpoint every ~1.6 s of training, as a V100 ResNet-50 job (~200 MB of
 state, ~0.4 s a step) checkpointing every 5 steps.
@@ -112,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
               f"write waited for inside the block)")
         print(f"machine: {machine_line()}; checkpoints in {run_dir}")
 
-        def block(mode: str) -> tuple[float, float]:
-            """(seconds per step, seconds inside the saves) of one block of ``mode``."""
+        def block(mode: str) -> tuple[float, float, float]:
+            """(seconds per step, seconds inside the saves, training-thread CPU seconds per step) of one block."""
             inside = 0.0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for i in range(1, args.block + 1):
                 train_step()
                 if mode != "none" and i % EVERY == 0 and i < args.block:
@@ -126,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
                 t1 = time.perf_counter()
                 session.finish_checkpoint()  # the wait the next save (or ck.finish) would do, charged to this block
                 inside += time.perf_counter() - t1
-            return (time.perf_counter() - t0) / args.block, inside
+            return (time.perf_counter() - t0) / args.block, inside, (time.thread_time() - c0) / args.block
 
         scale = args.block / (EVERY * saves)  # block ratio -> a run with a checkpoint every EVERY steps
         times: dict[str, list[float]] = {m: [] for m in MODES}
         ratios: dict[str, list[float]] = {"async": [], "sync": []}
         path: dict[str, list[float]] = {"async": [], "sync": []}
+        cpu: dict[str, list[float]] = {"async": [], "sync": []}
         for r in range(args.rounds):
             order = MODES[r % 3:] + MODES[:r % 3]
             got = {m: block(m) for m in order}
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in ratios:
                 ratios[m].append(1 + (got[m][0] / none - 1) * scale)
                 path[m].append(1 + got[m][1] / saves / (EVERY * none))
+                cpu[m].append(1 + (got[m][2] / got["none"][2] - 1) * scale)
             print(f"  round {r + 1} ({' '.join(order)}): step none {none * 1e3:6.1f} ms  async "
                   f"{got['async'][0] * 1e3:6.1f} ms -> {ratios['async'][-1]:.3f}x  sync {got['sync'][0] * 1e3:6.1f} ms "
                   f"-> {ratios['sync'][-1]:.3f}x  (in the saves: async {got['async'][1] / saves * 1e3:.1f} ms, sync "
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ratio_async, ratio_sync = median(ratios["async"]), median(ratios["sync"])
     path_async, path_sync = median(path["async"]), median(path["sync"])
+    cpu_async, cpu_sync = median(cpu["async"]), median(cpu["sync"])
     met = ratio_async <= TARGET
     snap_ms = 1e3 * stats.get("checkpoint_snapshot_s", 0.0) / max(stats.get("checkpoints_async", 1), 1)
     spread = (f"spread {min(ratios['async']):.3f}-{max(ratios['async']):.3f}" if len(ratios["async"]) > 1 else "1 round")
@@ -163,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio sync/none:  {ratio_sync:.3f} (the same checkpoints written before training goes on)")
     print(f"on the training thread alone (time inside the saves, no competition counted): async {path_async:.4f}, "
           f"sync {path_sync:.3f}")
+    print(f"the training thread's CPU time per step (copies, serialisation in the caller, memory contention; not the "
+          f"wait for a core): async {cpu_async:.3f}, sync {cpu_sync:.3f}")
     emit_json({"bench": "async_checkpoint", "ratio_async": ratio_async, "ratio_sync": ratio_sync,
                "ratios_async": ratios["async"], "ratios_sync": ratios["sync"],
-               "path_async": path_async, "path_sync": path_sync,
+               "path_async": path_async, "path_sync": path_sync, "cpu_async": cpu_async, "cpu_sync": cpu_sync,
                "step_ms": {m: median(times[m]) * 1e3 for m in MODES}, "snapshot_ms": snap_ms,
                "checkpoint_mib": size / 2**20, "waits": int(stats.get("checkpoint_waits", 0)),
                "saves_async": int(stats.get("checkpoints_async", 0)), "target": TARGET, "met": met, "load": load(),

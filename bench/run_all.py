@@ -206,6 +206,10 @@ def parse(name: str, output: str) -> list[Figure]:
                                f"(copy to host memory {j['snapshot_ms']:.1f} ms a checkpoint; {j['waits']} of "
                                f"{j['saves_async']} background saves waited for the previous write)",
                                f"{j['ratio_sync']:.3f}", "(reference)", "INFO"))
+            if j.get("cpu_async") is not None:
+                figs.append(Figure(name, "the same ratios on the training thread alone: time inside the saves, async "
+                                   "/ sync; its CPU time per step, async / sync", f"{j['path_async']:.4f} / "
+                                   f"{j['path_sync']:.3f}; {j['cpu_async']:.3f} / {j['cpu_sync']:.3f}", "", "INFO"))
     elif name == "predict_accuracy":
         j = _json(output)
         skipped = next((x for x in output.splitlines() if x.startswith("predict_accuracy:") and "skipped" in x), None)
