@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from cyclone_kit.backends.local_env import gpu_slices, visible_gpus, working_directory
     from cyclone_kit.backends.srun_emulator import format_failure, launch, record_submission
     from cyclone_kit.config.job import load_spec, spec_from_dict, spec_to_dict
-    from cyclone_kit.config.jobspec import checked_spec, fill_args, script_files, spec_dict_from_args
+    from cyclone_kit.config.jobspec import checked_spec, fill_args, refuse_restart_flags, script_files, spec_dict_from_args
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.rundir.entry import rank_argv
     from cyclone_kit.rundir.layout import RunDir
@@ -87,6 +87,13 @@ def run(args: argparse.Namespace) -> int:
         job = local_job(load_spec(rd.spec), args.nproc, args.nodes, args.threads)
     else:
         spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
+        res = spec.resources
+        if res.spare_nodes or 0 < res.min_nodes < res.nodes:  # the local launcher has no step watcher
+            keys = [k for k, on in (("spare_nodes", bool(res.spare_nodes)),
+                                    ("min_nodes", 0 < res.min_nodes < res.nodes)) if on]
+            refuse_restart_flags([f"resources.{k}={getattr(res, k)}" for k in keys],
+                                 [f"drop resources.{k}" for k in keys], "`cyclone-kit run` (ranks on this machine)",
+                                 "submit it with cyclone-kit submit (the slurm backend), or")
         if args.horovod:
             if spec.script is None:
                 raise ValidationError("--horovod is for a script run",

@@ -26,13 +26,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Submit (or print) the job; prints the job id and run directory."""
     from cyclone_kit.backends import check_backend_name
-    from cyclone_kit.config.jobspec import check_backend, job_from_args
+    from cyclone_kit.config.jobspec import check_backend, check_restart_backend, job_from_args
     from cyclone_kit.rundir.layout import run_dir_name
     from cyclone_kit.submit.render import render_script
 
     check_backend_name(args.backend)  # a dry run is a rehearsal of the real submit: same refusals
     job = job_from_args(args)
     check_backend(job.spec, args.backend)
+    check_restart_backend(job, args.backend)
     runs_dir = Path(args.runs_dir).absolute()
     if args.dry_run:
         run_dir = runs_dir / run_dir_name(job.spec.name)

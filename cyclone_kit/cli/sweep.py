@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         sweep = dataclasses.replace(sweep, base=checked_spec(sweep.base)[0])
     profile = load_profile(sweep.base.resources.profile)
     runs = lib.plan(sweep, profile)
+    from cyclone_kit.config.jobspec import check_restart_backend
+
+    for r in runs:  # a point may set resources.spare_nodes / min_nodes
+        check_restart_backend(r.job, args.backend)
     runs_dir = Path(args.runs_dir).absolute()
     if args.dry_run:
         sys.stdout.write(lib.plan_text(sweep, runs, args.backend, runs_dir))

@@ -221,6 +221,49 @@ def check_backend(spec: JobSpec, backend: str) -> None:
                               hint="use --backend slurm (default) or --backend local for a script")
 
 
+def check_restart_backend(job: ResolvedJob, backend: str) -> None:
+    """Refuse spare nodes or a shrink floor on a backend without the step watcher that uses them.
+
+    Only the slurm backend's batch script restarts a step inside the job (``--spare-nodes``,
+    ``--min-nodes``, or the profile's ``spare_nodes``); the local and submitit backends would
+    silently ignore them.
+
+    Raises:
+        ValidationError: ``job`` restarts in the job and ``backend`` is not slurm.
+    """
+    if backend == "slurm" or not job.restarts_in_job:
+        return
+    asked, drop = [], []
+    if job.spare_nodes and job.spec.resources.spare_nodes is None:
+        asked.append(f"profile {job.profile.name!r} spare_nodes={job.spare_nodes}")
+        drop.append("pass --spare-nodes 0")
+    elif job.spare_nodes:
+        asked.append(f"--spare-nodes={job.spare_nodes}")
+        drop.append("drop --spare-nodes (resources.spare_nodes)")
+    if 0 < job.min_nodes < job.nodes:
+        asked.append(f"--min-nodes={job.min_nodes}")
+        drop.append("drop --min-nodes (resources.min_nodes)")
+    refuse_restart_flags(asked, drop, f"the {backend} backend", "use --backend slurm (default), or")
+
+
+def refuse_restart_flags(asked: list[str], drop: list[str], where: str, fix: str) -> None:
+    """The refusal of in-job restart settings that ``where`` would ignore (pure).
+
+    Args:
+        asked: the settings asked for, as the user wrote them (``--spare-nodes=1``).
+        drop: how to take each back.
+        where: what would ignore them; fix: the hint's first choice, ending in "or".
+
+    Raises:
+        ValidationError: always.
+    """
+    raise ValidationError(
+        f"{' and '.join(asked)}: in-job restarts (spare nodes, a shrink floor) need the slurm backend's step "
+        f"watcher; {where} would ignore them",
+        hint=f"{fix} {' and '.join(drop)}",
+    )
+
+
 def fill_args(job: ResolvedJob) -> ResolvedJob:
     """The job with the placeholders in its script's args filled from its layout (pure)."""
     spec = job.spec
