@@ -11,8 +11,12 @@ the same job (no requeue, no queue wait), on a spare node or on fewer nodes, fro
   no exit. The progress watchdogs end the step; the watcher restarts it on the spare.
 * **A lost node, no spare, ``--min-nodes 1``**: the step shrinks from 2 nodes to 1 (world 2 -> 1) and
   completes; the engine keeps the global batch (grad_accum 1 -> 2) and ``restarts.json`` says what changed.
+* **A restart that cannot happen falls back to the requeue**: the lost node of the first case, with a
+  spare but ``checkpoint.max_restarts=0``: the step watcher says why it does not restart in the job and
+  requeues it as before (Slurm's Restarts=1, restart_count 1 in the second segment's start record); the
+  second segment resumes from the newest checkpoint and completes; no ``restarts.json``.
 
-Each asserts the same job id completed without a requeue (``scontrol show job``: Restarts=0; every
+The first three assert the same job id completed without a requeue (``scontrol show job``: Restarts=0; every
 ``start`` record's restart_count is 0), that the new segment resumed from the newest checkpoint, what
 ``restarts.json`` and ``status`` say, and prints the time from the fault to the first step again (the
 issue's target is under 60 s here; not asserted: no test depends on the machine's speed). Every wait is
@@ -237,3 +241,46 @@ def test_a_lost_node_shrinks_the_step_to_min_nodes_in_the_same_job(slurm_cluster
     _print_recovery(job_id, entry, killed_at)
     out = _check_status(job_id, run_dir, "smoke", f"RANK_LOST on {victim}")
     assert f"now {kept} (shrunk: world 2 -> 1 ranks, global batch 64 kept)" in out, out
+
+
+# --------------------------------------------------------------------------- (d) no restart left: the requeue
+@pytest.mark.timeout(2 * HANG_S)
+def test_a_lost_node_with_no_restart_left_falls_back_to_the_requeue(slurm_cluster: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    backend = SlurmBackend()
+    holds = hold_files(tmp_path / "slow")
+    env = slow_parts_env(tmp_path / "slow", hold_step=HOLD)
+    job_id, run_dir = _submit(tmp_path, str(SMOKE), "--partition", "wide", "--nodes", "2", "--spare-nodes", "1",
+                              "--set", "checkpoint.max_restarts=0", "--set", f"train.steps={STEPS}", "--set",
+                              "train.log_every=1", "--set", f"checkpoint.every_steps={EVERY}", env=env)
+    try:
+        wait_for(lambda: holds.at(HOLD, [0, 1]), HANG_S, f"both ranks held after step {HOLD}")
+        victim, _, newest = _kill_node_of_rank_1(job_id, run_dir)
+        holds.go()
+    finally:
+        holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
+        info = _finish(backend, job_id)
+    assert info.state is JobState.COMPLETED, info
+    assert _slurm_restarts(job_id) == 1, "the job was not requeued once"
+    records = read_records(run_dir)
+    starts = [r for r in records if r["kind"] == "start"]
+    ends = [r for r in records if r["kind"] == "end"]
+    assert [s.get("restart_count") for s in starts] == [0, 1], starts
+    assert ends[-1]["status"] == "completed" and ends[-1]["steps"] == STEPS, ends
+    # from the newest checkpoint: the one there at the kill, or one rank 0 finished after it
+    assert newest <= starts[1]["start_step"] < HOLD and starts[1]["start_step"] % EVERY == 0, (newest, starts[1])
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1)), steps
+    assert read_restarts(run_dir) == [], "no in-job restart was made"
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert (failure["cause"], failure["hosts"]) == ("rank_lost", [victim]), failure
+    out = "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
+    assert ("already restarted 0 time(s) in the job (checkpoint.max_restarts=0); falling back to a requeue"
+            in out), out[-3000:]
+    assert "stepwatch: the step ended (rank_lost): requeue 1 of at most 3" in out, out[-3000:]
+    status = run_cli("status", str(run_dir), timeout=HANG_S)
+    print(status.stdout)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert f"{job_id} smoke: completed (2 segments: RANK_LOST on {victim}, then completed)" in status.stdout, \
+        status.stdout
+    assert "in-job restart" not in status.stdout and "root cause" not in status.stdout, status.stdout
