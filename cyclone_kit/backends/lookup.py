@@ -192,11 +192,15 @@ def run_row(run_dir: Path, *, known: Known | None = None) -> JobRow:
 
 
 def _restarts(run_dir: Path) -> tuple[str, ...]:
-    """The run's in-job restarts in words (``restarts.json``, written by the step watcher)."""
-    from cyclone_kit.rundir.restarts import read_restarts, restart_line
+    """The run's in-job restarts and its fall-backs to the requeue in words, oldest first (``restarts.json``,
+    written by the step watcher)."""
+    from cyclone_kit.rundir.restarts import fallback_line, read_fallbacks, read_restarts, restart_line
 
     limit = RunDir(run_dir).read_spec().get("checkpoint", {}).get("max_restarts")
-    return tuple(restart_line(r, limit if isinstance(limit, int) else None) for r in read_restarts(run_dir))
+    lines = [(str(r.get("restart_time") or ""), restart_line(r, limit if isinstance(limit, int) else None))
+             for r in read_restarts(run_dir)]
+    lines += [(str(f.get("time") or ""), fallback_line(f)) for f in read_fallbacks(run_dir)]
+    return tuple(line for _, line in sorted(lines, key=lambda pair: pair[0]))
 
 
 def _history(run_dir: Path, backend: object, job_id: str | None = None) -> str | None:

@@ -17,9 +17,16 @@ step again inside the same job. Each such restart is one entry of ``restarts.jso
                 record" | "first step record"), first_step, first_step_time, recovery_s (fault ->
                 first step again), steps_recomputed, global_batch_before, global_batch_after}]
 
+When a step ends that way but cannot restart in the job (``checkpoint.max_restarts`` used up, no
+node blamed, too few healthy nodes), the watcher falls back to the job's requeue rules and says
+why in ``fallbacks`` (optional; :func:`add_fallback`)::
+
+    fallbacks: [{job_id, segment, cause, hosts [the blamed hosts], time, why, requeue (the job's
+                 requeues before this one: SLURM_RESTART_COUNT)}]
+
 Times are ISO 8601 UTC strings (as every other record). Only the step watcher writes the file
 (one process per job: no locking); ``status`` and the report read it through :func:`read_restarts`
-and word it with :func:`restart_line`. Stdlib only.
+and word it with :func:`restart_line` and :func:`fallback_line`. Stdlib only.
 """
 
 from __future__ import annotations
@@ -43,10 +50,35 @@ def read_restarts(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
-def write_restarts(run_dir: Path, restarts: Sequence[Mapping[str, Any]], job_id: str | None = None) -> None:
-    """Replace ``restarts.json`` atomically with ``restarts`` (the step watcher's whole list)."""
-    doc = {"schema": SCHEMA, "kind": "restarts", "job_id": job_id, "restarts": [dict(r) for r in restarts]}
+def read_fallbacks(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's steps that could not restart in the job and fell back to the requeue, oldest first."""
+    doc = read_json(RunDir(run_dir).restarts)
+    entries = doc.get("fallbacks") if isinstance(doc, dict) else None
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
+def write_restarts(run_dir: Path, restarts: Sequence[Mapping[str, Any]], job_id: str | None = None,
+                   fallbacks: Sequence[Mapping[str, Any]] | None = None) -> None:
+    """Replace ``restarts.json`` atomically with ``restarts`` (the step watcher's whole list); its
+    ``fallbacks`` are kept unless given."""
+    kept = read_fallbacks(run_dir) if fallbacks is None else [dict(f) for f in fallbacks]
+    doc: dict[str, Any] = {"schema": SCHEMA, "kind": "restarts", "job_id": job_id,
+                           "restarts": [dict(r) for r in restarts]}
+    if kept:
+        doc["fallbacks"] = kept
     write_atomic(RunDir(run_dir).restarts, json.dumps(doc, indent=2) + "\n")
+
+
+def add_fallback(run_dir: Path, entry: Mapping[str, Any], job_id: str | None = None) -> None:
+    """Append one fall-back to the requeue to ``restarts.json`` (its restarts kept)."""
+    write_restarts(run_dir, read_restarts(run_dir), job_id, [*read_fallbacks(run_dir), dict(entry)])
+
+
+def fallback_line(entry: Mapping[str, Any]) -> str:
+    """One fall-back in words, for ``status`` (pure), e.g. ``no in-job restart after rank_lost on c2:
+    already restarted 0 time(s) in the job (checkpoint.max_restarts=0); fell back to the requeue``."""
+    hosts = ",".join(entry.get("hosts") or []) or "?"
+    return f"no in-job restart after {entry.get('cause', '?')} on {hosts}: {entry.get('why') or '?'}; fell back to the requeue"
 
 
 def seconds_between(start: str | None, end: str | None) -> float | None:

@@ -30,7 +30,8 @@ It imports neither torch nor the training code, and:
   ``CYCLONE_INJOB_RESTARTS`` (a new segment id), and resume from the newest checkpoint. Each restart
   is recorded in ``restarts.json`` (:mod:`cyclone_kit.rundir.restarts`), completed with the time of
   the new segment's first step. After ``checkpoint.max_restarts`` of them in this run of the job,
-  or with too few healthy nodes, it falls back to the requeue below;
+  or with too few healthy nodes, it falls back to the requeue below (why: ``restarts.json``'s
+  ``fallbacks``, :func:`fallback_entry`);
 * requeues the job (``scontrol requeue``) when it ended because of a stall or a lost rank,
   ``checkpoint.requeue`` is on and requeues are left, and otherwise exits with srun's status.
   A step whose rank raised is neither restarted nor requeued (it would fail again).
@@ -463,6 +464,7 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
                 continue
             pending = None
             _say(f"the step ended ({step.cause}): {why}; falling back to a requeue")
+            _note_fallback(run_dir, job, step, why, requeues)
         if step.code != 0 and step.cause in REQUEUE_CAUSES and job and _requeue(base, run_dir, step.cause):
             return 0
         return step.code
@@ -505,6 +507,24 @@ def _plan_restart(policy: RestartPolicy, attempt: int, allocation: list[str], cu
     bad.update(bad_hosts(step.view.failure, step.view))
     bad.update(_unhealthy(allocation))
     return restart_plan(policy, attempt, _allocation({}, job) or allocation, current, bad)
+
+
+def fallback_entry(job: str, step: _Step, why: str, requeues: str) -> dict[str, Any]:
+    """The ``restarts.json`` record of a step that could not restart in the job (see :func:`restart_plan`)."""
+    failure = step.view.failure or {}
+    return {"job_id": job, "segment": failure.get("segment"), "cause": step.cause,
+            "hosts": bad_hosts(step.view.failure, step.view), "time": failures.utc_now(), "why": why,
+            "requeue": int(requeues) if requeues.isdigit() else 0}
+
+
+def _note_fallback(run_dir: Path, job: str, step: _Step, why: str, requeues: str) -> None:
+    """Record the fall-back to the requeue; a record that cannot be written must not stop the requeue."""
+    from cyclone_kit.rundir.restarts import add_fallback
+
+    try:
+        add_fallback(run_dir, fallback_entry(job, step, why, requeues), job)
+    except OSError as e:
+        _say(f"restarts.json not written: {e}")
 
 
 def _restart_entry(run_dir: Path, number: int, attempt: int, job: str, step: _Step, current: list[str],

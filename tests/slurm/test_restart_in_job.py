@@ -14,7 +14,8 @@ the same job (no requeue, no queue wait), on a spare node or on fewer nodes, fro
 * **A restart that cannot happen falls back to the requeue**: the lost node of the first case, with a
   spare but ``checkpoint.max_restarts=0``: the step watcher says why it does not restart in the job and
   requeues it as before (Slurm's Restarts=1, restart_count 1 in the second segment's start record); the
-  second segment resumes from the newest checkpoint and completes; no ``restarts.json``.
+  second segment resumes from the newest checkpoint and completes; ``restarts.json`` holds no restart,
+  only the fall-back and why, and ``status`` says so.
 
 The first three assert the same job id completed without a requeue (``scontrol show job``: Restarts=0; every
 ``start`` record's restart_count is 0), that the new segment resumed from the newest checkpoint, what
@@ -36,7 +37,7 @@ import pytest
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.core.proc import run_command
-from cyclone_kit.rundir.restarts import read_restarts, seconds_between
+from cyclone_kit.rundir.restarts import read_fallbacks, read_restarts, seconds_between
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.node_faults import kill_node_processes, node_processes
@@ -272,6 +273,8 @@ def test_a_lost_node_with_no_restart_left_falls_back_to_the_requeue(slurm_cluste
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1)), steps
     assert read_restarts(run_dir) == [], "no in-job restart was made"
+    (fallback,) = read_fallbacks(run_dir)
+    assert (fallback["cause"], fallback["hosts"], fallback["requeue"]) == ("rank_lost", [victim], 0), fallback
     failure = json.loads((run_dir / "failure.json").read_text())
     assert (failure["cause"], failure["hosts"]) == ("rank_lost", [victim]), failure
     out = "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
@@ -283,4 +286,6 @@ def test_a_lost_node_with_no_restart_left_falls_back_to_the_requeue(slurm_cluste
     assert status.returncode == 0, status.stdout + status.stderr
     assert f"{job_id} smoke: completed (2 segments: RANK_LOST on {victim}, then completed)" in status.stdout, \
         status.stdout
-    assert "in-job restart" not in status.stdout and "root cause" not in status.stdout, status.stdout
+    assert (f"{job_id} smoke: no in-job restart after rank_lost on {victim}: already restarted 0 time(s) in the job "
+            "(checkpoint.max_restarts=0); fell back to the requeue") in status.stdout, status.stdout
+    assert "in-job restart 1" not in status.stdout and "root cause" not in status.stdout, status.stdout

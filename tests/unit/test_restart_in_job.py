@@ -10,7 +10,15 @@ from cyclone_kit.config.profile import load_profile
 from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir import failures
-from cyclone_kit.rundir.restarts import read_restarts, restart_line, with_first_step, write_restarts
+from cyclone_kit.rundir.restarts import (
+    add_fallback,
+    fallback_line,
+    read_fallbacks,
+    read_restarts,
+    restart_line,
+    with_first_step,
+    write_restarts,
+)
 from cyclone_kit.runtime import stepwatch as sw
 from cyclone_kit.submit.render import render_script
 
@@ -239,3 +247,18 @@ def test_restart_plan_falls_back_to_the_requeue():
     assert sw.restart_plan(sw.RestartPolicy(2, 2, 1), 1, ALLOC, ["c1", "g1"], {"c2", "g1"}) == (
         None, "no healthy node left to restart on (left out c2,g1; at least 2 needed)")
     assert sw.restart_plan(policy, 0, ALLOC, ["c1", "c2"], set())[0] is None  # nothing blamed: requeue
+
+
+def test_a_fallback_to_the_requeue_is_recorded_beside_the_restarts_and_worded(tmp_path):
+    failure = {"cause": "rank_lost", "hosts": ["c2"], "lost": [1], "segment": "173:0"}
+    why = "already restarted 0 time(s) in the job (checkpoint.max_restarts=0)"
+    entry = sw.fallback_entry("173", sw._Step(137, False, _view(failure=failure), "rank_lost"), why, "0")
+    assert {k: entry[k] for k in ("job_id", "segment", "cause", "hosts", "why", "requeue")} == {
+        "job_id": "173", "segment": "173:0", "cause": "rank_lost", "hosts": ["c2"], "why": why, "requeue": 0}
+    assert fallback_line(entry) == (f"no in-job restart after rank_lost on c2: {why}; fell back to the requeue")
+    write_restarts(tmp_path, [ENTRY], "173")
+    add_fallback(tmp_path, entry, "173")
+    assert read_restarts(tmp_path) == [ENTRY] and read_fallbacks(tmp_path) == [entry]
+    write_restarts(tmp_path, [ENTRY, ENTRY], "173")  # a later restart keeps the fall-backs
+    assert read_fallbacks(tmp_path) == [entry] and len(read_restarts(tmp_path)) == 2
+    assert read_fallbacks(tmp_path / "none") == []
