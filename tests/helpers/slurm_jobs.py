@@ -116,6 +116,16 @@ def steps_logged(run_dir: Path) -> int:
     return max((r["step"] for r in read_records(run_dir) if r.get("kind") == "step"), default=0)
 
 
+def finish_job(backend: SlurmBackend, job_id: str, timeout: float = HANG_S) -> Any:
+    """Wait for the job to end (its last JobInfo); cancel it if it is still active after all (a failed wait)."""
+    try:
+        return backend.wait(job_id, timeout=timeout)
+    finally:
+        with contextlib.suppress(CycloneError):
+            if backend.status(job_id).state.is_active:
+                backend.cancel(job_id)
+
+
 def cancel_quietly(backend: SlurmBackend, job_id: str) -> None:
     """Cancel a job left running by a failed test (a finished job is left alone)."""
     with contextlib.suppress(CycloneError):

@@ -35,14 +35,13 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.rundir.restarts import read_fallbacks, read_restarts, seconds_between
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.node_faults import kill_node_processes, node_processes
 from tests.helpers.slow_parts import hold_files, slow_parts_env
-from tests.helpers.slurm_jobs import parse_submit_output, read_records, wait_for
+from tests.helpers.slurm_jobs import finish_job, parse_submit_output, read_records, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -63,17 +62,6 @@ def _submit(runs: Path, target: str, *args: str, env: dict[str, str] | None = No
                      "--runs-dir", str(runs), *args, env=env, timeout=HANG_S)
     assert result.returncode == 0, result.stdout + result.stderr
     return parse_submit_output(result.stdout)
-
-
-def _finish(backend: SlurmBackend, job_id: str) -> Any:
-    try:
-        return backend.wait(job_id, timeout=HANG_S)
-    finally:
-        try:
-            if backend.status(job_id).state.is_active:
-                backend.cancel(job_id)
-        except CycloneError:
-            pass
 
 
 def _slurm_restarts(job_id: str) -> int:
@@ -148,21 +136,30 @@ def _print_recovery(job_id: str, entry: dict[str, Any], fault_at: float | None =
           f"{entry['steps_recomputed']} step(s) recomputed (target: under 60 s on the local cluster)")
 
 
-# --------------------------------------------------------------------------- (a) a lost node, a spare
-@pytest.mark.timeout(2 * HANG_S)
-def test_a_lost_node_restarts_on_the_spare_in_the_same_job(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+def _lose_a_node_while_held(tmp_path: Path, *args: str) -> tuple[str, Path, Any, str, float, int]:
+    """Submit the smoke job (ARGS), hold every rank after step HOLD, kill rank 1's node's processes, let
+    rank 0 go on and wait for the job to end: (job id, run dir, its last JobInfo, the node, the kill's
+    time, the newest checkpoint at the kill)."""
     backend = SlurmBackend()
     holds = hold_files(tmp_path / "slow")
-    env = slow_parts_env(tmp_path / "slow", hold_step=HOLD)
-    job_id, run_dir = _submit(tmp_path, str(SMOKE), "--partition", "wide", "--nodes", "2", "--spare-nodes", "1",
-                              "--set", f"train.steps={STEPS}", "--set", "train.log_every=1", "--set",
-                              f"checkpoint.every_steps={EVERY}", env=env)
+    job_id, run_dir = _submit(tmp_path, str(SMOKE), *args, "--set", f"train.steps={STEPS}", "--set",
+                              "train.log_every=1", "--set", f"checkpoint.every_steps={EVERY}",
+                              env=slow_parts_env(tmp_path / "slow", hold_step=HOLD))
     try:
         wait_for(lambda: holds.at(HOLD, [0, 1]), HANG_S, f"both ranks held after step {HOLD}")
         victim, killed_at, newest = _kill_node_of_rank_1(job_id, run_dir)
         holds.go()
     finally:
-        info = _finish(backend, job_id)
+        holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
+        info = finish_job(backend, job_id, HANG_S)
+    return job_id, run_dir, info, victim, killed_at, newest
+
+
+# --------------------------------------------------------------------------- (a) a lost node, a spare
+@pytest.mark.timeout(2 * HANG_S)
+def test_a_lost_node_restarts_on_the_spare_in_the_same_job(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    job_id, run_dir, info, victim, killed_at, newest = _lose_a_node_while_held(
+        tmp_path, "--partition", "wide", "--nodes", "2", "--spare-nodes", "1")
     records = _check_completed_in_job(job_id, run_dir, info, STEPS)
     starts = [r for r in records if r["kind"] == "start"]
     (entry,) = read_restarts(run_dir)
@@ -194,7 +191,7 @@ def test_a_hung_rank_restarts_on_the_spare_in_the_same_job(slurm_cluster: dict[s
     job_id, run_dir = _submit(tmp_path, str(HANG_SCRIPT), "--partition", "wide", "--nodes", "2", "--spare-nodes", "1",
                               "--set", f"checkpoint.stall_floor_s={FLOOR_S}", "--", "--steps", str(STEPS),
                               "--hang-rank", "1", "--hang-step", str(HANG_STEP), env={"CYCLONE_LOG_EVERY": "1"})
-    info = _finish(backend, job_id)
+    info = finish_job(backend, job_id, HANG_S)
     records = _check_completed_in_job(job_id, run_dir, info, STEPS)
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps == list(range(1, STEPS + 1)), "every step exactly once (the script checkpoints every step)"
@@ -215,18 +212,8 @@ def test_a_hung_rank_restarts_on_the_spare_in_the_same_job(slurm_cluster: dict[s
 @pytest.mark.timeout(2 * HANG_S)
 def test_a_lost_node_shrinks_the_step_to_min_nodes_in_the_same_job(slurm_cluster: dict[str, str],
                                                                       tmp_path: Path) -> None:
-    backend = SlurmBackend()
-    holds = hold_files(tmp_path / "slow")
-    env = slow_parts_env(tmp_path / "slow", hold_step=HOLD)
-    job_id, run_dir = _submit(tmp_path, str(SMOKE), "--partition", "cpu", "--nodes", "2", "--min-nodes", "1",
-                              "--set", f"train.steps={STEPS}", "--set", "train.log_every=1", "--set",
-                              f"checkpoint.every_steps={EVERY}", env=env)
-    try:
-        wait_for(lambda: holds.at(HOLD, [0, 1]), HANG_S, f"both ranks held after step {HOLD}")
-        victim, killed_at, newest = _kill_node_of_rank_1(job_id, run_dir)
-        holds.go()
-    finally:
-        info = _finish(backend, job_id)
+    job_id, run_dir, info, victim, killed_at, newest = _lose_a_node_while_held(
+        tmp_path, "--partition", "cpu", "--nodes", "2", "--min-nodes", "1")
     records = _check_completed_in_job(job_id, run_dir, info, STEPS)
     starts = [r for r in records if r["kind"] == "start"]
     (entry,) = read_restarts(run_dir)
@@ -248,19 +235,8 @@ def test_a_lost_node_shrinks_the_step_to_min_nodes_in_the_same_job(slurm_cluster
 @pytest.mark.timeout(2 * HANG_S)
 def test_a_lost_node_with_no_restart_left_falls_back_to_the_requeue(slurm_cluster: dict[str, str],
                                                                    tmp_path: Path) -> None:
-    backend = SlurmBackend()
-    holds = hold_files(tmp_path / "slow")
-    env = slow_parts_env(tmp_path / "slow", hold_step=HOLD)
-    job_id, run_dir = _submit(tmp_path, str(SMOKE), "--partition", "wide", "--nodes", "2", "--spare-nodes", "1",
-                              "--set", "checkpoint.max_restarts=0", "--set", f"train.steps={STEPS}", "--set",
-                              "train.log_every=1", "--set", f"checkpoint.every_steps={EVERY}", env=env)
-    try:
-        wait_for(lambda: holds.at(HOLD, [0, 1]), HANG_S, f"both ranks held after step {HOLD}")
-        victim, _, newest = _kill_node_of_rank_1(job_id, run_dir)
-        holds.go()
-    finally:
-        holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
-        info = _finish(backend, job_id)
+    job_id, run_dir, info, victim, _, newest = _lose_a_node_while_held(
+        tmp_path, "--partition", "wide", "--nodes", "2", "--spare-nodes", "1", "--set", "checkpoint.max_restarts=0")
     assert info.state is JobState.COMPLETED, info
     assert _slurm_restarts(job_id) == 1, "the job was not requeued once"
     records = read_records(run_dir)

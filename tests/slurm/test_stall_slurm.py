@@ -29,13 +29,13 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.core.errors import CycloneError
 from cyclone_kit.core.proc import run_command
 from cyclone_kit.runtime import stepwatch
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.node_faults import kill_node_processes, node_processes
 from tests.helpers.slow_parts import hold_files, slow_parts_env
+from tests.helpers.slurm_jobs import finish_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -90,17 +90,6 @@ def _wait_for(predicate: Any, what: str, poll: float = 0.2) -> Any:
     pytest.fail(f"timed out after {HANG_S} s waiting for {what}")
 
 
-def _finish(backend: SlurmBackend, job_id: str) -> Any:
-    try:
-        return backend.wait(job_id, timeout=HANG_S)
-    finally:
-        try:
-            if backend.status(job_id).state.is_active:
-                backend.cancel(job_id)
-        except CycloneError:
-            pass
-
-
 def _kill_wait_s() -> float:
     text = run_command(["scontrol", "show", "config"], timeout=30).stdout
     match = re.search(r"^KillWait\s*=\s*(\d+)", text, re.M)
@@ -113,7 +102,7 @@ def test_a_hung_rank_is_named_requeued_and_every_step_runs_once(slurm_cluster: d
     job_id, run_dir = _submit(tmp_path, str(HANG_SCRIPT), "--time", "10", "--set",
                               f"checkpoint.stall_floor_s={FLOOR_S}", "--", "--steps", str(STEPS), "--hang-rank", "1",
                               "--hang-step", str(HANG_STEP), env={"CYCLONE_LOG_EVERY": "1"})
-    info = _finish(backend, job_id)
+    info = finish_job(backend, job_id, HANG_S)
     records = _records(run_dir)
     starts = [r for r in records if r["kind"] == "start"]
     ends = [r for r in records if r["kind"] == "end"]
@@ -164,7 +153,7 @@ def test_a_node_that_lost_its_processes_is_requeued_not_left_running(slurm_clust
         noticed = failure_path.stat().st_mtime - killed_at
     finally:
         holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
-        info = _finish(backend, job_id)
+        info = finish_job(backend, job_id, HANG_S)
     # srun alone would have waited until the wall time; the step watcher's grace, Slurm's KillWait, slack
     limit = stepwatch.GRACE_S + _kill_wait_s() + 2 + SLACK_S
     print(f"job {job_id}: failure.json {noticed:.1f} s after the kill (limit {limit:.0f} s); then {info.state.value}")
