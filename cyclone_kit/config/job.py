@@ -185,9 +185,13 @@ class CheckpointConfig:
     stall_floor_s: float = 60.0  # a rank with no step for max(this, stall_factor x median step) is stalled (0: off)
     stall_factor: float = 20.0
     async_write: bool = True  # rank 0 copies the state to host memory at the step, writes it in a background thread
+    local_dir: str = ""  # a node-local folder (/dev/shm/..., the local disk) written first, then copied into the run
 
     def __post_init__(self) -> None:
         check_non_negative("checkpoint.every_steps", self.every_steps)
+        if self.local_dir and not self.local_dir.startswith("/"):
+            raise ValidationError(f"checkpoint.local_dir={self.local_dir!r} is not an absolute path",
+                                  hint='use a node-local folder such as local_dir = "/dev/shm/ck" or "" (none)')
         if self.stall_floor_s < 0 or self.stall_factor < 1:
             raise ValidationError(
                 f"checkpoint.stall_floor_s={self.stall_floor_s}, stall_factor={self.stall_factor}: a rank is "

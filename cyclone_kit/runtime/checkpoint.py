@@ -19,6 +19,8 @@ optimizer steps cannot change what is written), and a :class:`BackgroundWriter` 
 :func:`save_checkpoint` on that copy in one thread, under the same rules as above. At most one
 write is in flight: the next one waits for it (:meth:`BackgroundWriter.wait`), and a write that
 failed raises its error there, or at the end of the segment, as the synchronous write would have.
+:func:`copy_checkpoint` copies a node-local first copy into the run directory under the same rules,
+its bytes verified against the first copy's checksum.
 """
 
 from __future__ import annotations
@@ -148,20 +150,55 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
     Raises:
         DiskFullError: the file system is full (the message names the path, the space needed and free).
     """
-    folder = Path(folder)
+    return _write_verified(Path(folder), step, keep, lambda out: torch.save({"format": FORMAT, **state}, out),
+                           lambda: serialized_size(state))
+
+
+def copy_checkpoint(source: Path, folder: Path, keep: int) -> Path:
+    """Copy the checkpoint ``source`` (a node-local first copy) into ``folder`` under the rules of
+    :func:`save_checkpoint`: a temporary file there, fsync, its checksum file before the atomic
+    rename, the directory fsync'ed, the newest ``keep`` kept. The bytes copied must hash to the
+    checksum recorded beside ``source``, else nothing is renamed into place.
+
+    Raises:
+        DamagedCheckpoint: ``source`` has no checksum, or its bytes are not the bytes written.
+        DiskFullError: ``folder``'s file system is full.
+    """
+    source = Path(source)
+    expected = recorded_digest(source)
+    m = _NAME.match(source.name)
+    if expected is None or m is None:
+        raise DamagedCheckpoint(f"{source} is no checkpoint with a checksum: it cannot be copied and verified")
+
+    def fill(out: _Hashing) -> None:
+        with open(source, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                out.write(chunk)
+
+    return _write_verified(Path(folder), int(m.group(1)), keep, fill, lambda: source.stat().st_size, expected)
+
+
+def _write_verified(folder: Path, step: int, keep: int, fill: Callable[[_Hashing], None], needed: Callable[[], int],
+                    expected: str | None = None) -> Path:
+    """The one atomic checkpoint writer: ``fill`` the temporary file, check ``expected`` (when given),
+    write the checksum file, rename, prune to ``keep``; a full disk raises one clear DiskFullError."""
     final = checkpoint_path(folder, step)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with atomic_file(final, fsync_dir=True) as f:
             out = _Hashing(f)
-            torch.save({"format": FORMAT, **state}, out)
-            write_atomic(digest_path(final), f"{out.sha.hexdigest()}  {final.name}\n")  # before the rename
+            fill(out)
+            digest = out.sha.hexdigest()
+            if expected is not None and digest != expected:  # raised inside: the temporary file is removed
+                raise DamagedCheckpoint(f"copying into {final}: sha256 {digest[:12]}... but {expected[:12]}... "
+                                        "was written: the first copy is damaged")
+            write_atomic(digest_path(final), f"{digest}  {final.name}\n")  # before the rename
     except Exception as e:
         if not is_disk_full(e):
             raise
         digest_path(final).unlink(missing_ok=True)
         raise DiskFullError(
-            disk_full_message("checkpoint", final, serialized_size(state), free_bytes(folder))
+            disk_full_message("checkpoint", final, needed(), free_bytes(folder))
             + f"; the older checkpoints are intact ({len(list_checkpoints(folder))} in {folder})",
             hint=f"free space there (or lower checkpoint.keep, now {keep}), then run the job again: "
                  "it resumes from the newest checkpoint") from None
@@ -171,9 +208,9 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep: int) -
     for stale in folder.glob(".ckpt-*"):  # temporary files of a process killed while writing
         if stale.is_file():
             stale.unlink(missing_ok=True)
-    for digest in folder.glob(f"ckpt-*.pt{DIGEST_SUFFIX}"):  # checksums whose checkpoint is gone
-        if not digest.with_name(digest.name[: -len(DIGEST_SUFFIX)]).exists():
-            digest.unlink(missing_ok=True)
+    for digest_file in folder.glob(f"ckpt-*.pt{DIGEST_SUFFIX}"):  # checksums whose checkpoint is gone
+        if not digest_file.with_name(digest_file.name[: -len(DIGEST_SUFFIX)]).exists():
+            digest_file.unlink(missing_ok=True)
     return final
 
 

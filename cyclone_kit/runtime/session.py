@@ -266,7 +266,11 @@ class Session:
         """Write one checkpoint now (rank 0, in the caller's thread or the background writer's)."""
         from cyclone_kit.runtime import checkpoint as ckpt
 
-        path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
+        if self.cc.local_dir:  # node-local first (the newest one kept there), then copied and verified into the run
+            local = ckpt.save_checkpoint(Path(self.cc.local_dir) / self.run_dir.name, state, step, 1)
+            path = ckpt.copy_checkpoint(local, self.checkpoint_dir, self.cc.keep)
+        else:
+            path = ckpt.save_checkpoint(self.checkpoint_dir, state, step, self.cc.keep)
         print(f"cyclone_kit: checkpoint of step {step} written: {path}", flush=True)  # the log names the last one
         if after_write is not None:
             after_write(self.checkpoint_dir)

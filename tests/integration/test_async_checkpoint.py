@@ -108,3 +108,33 @@ def test_background_write_copies_the_state_waits_for_the_previous_write_and_says
     assert end["checkpoint_waits"] >= 1 and end["checkpoint_wait_s"] > 0 and end["checkpoint_snapshot_s"] > 0, end
     assert [s for s, _ in ckpt.list_checkpoints(folder)] == [4, 3, 2, 1]
     assert not list(folder.glob(".ckpt-*")), "no temporary file left"
+
+
+LOCAL_FIRST = """
+    import sys, torch
+    import cyclone_kit as ck
+    ck.init(run_dir=sys.argv[1])
+    w = torch.arange(1000, dtype=torch.float32)
+    for step in (1, 2, 3):
+        ck.save_checkpoint({"w": w + step, "step": step}, blocking=step == 2)
+    ck.finish()
+"""
+
+
+def test_a_node_local_first_copy_is_copied_into_the_run_and_verified(tmp_path: Path) -> None:
+    script = tmp_path / "local.py"
+    script.write_text(textwrap.dedent(LOCAL_FIRST))
+    run_dir, local = tmp_path / "run", tmp_path / "node-local"
+    run_dir.mkdir()
+    (run_dir / "spec.json").write_text(json.dumps({"checkpoint": {"keep": 2, "local_dir": str(local)}}))
+    proc = subprocess.run([sys.executable, str(script), str(run_dir)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shared = run_dir / "checkpoints"
+    assert [s for s, _ in ckpt.list_checkpoints(shared)] == [3, 2], "checkpoint.keep applies in the run directory"
+    assert [s for s, _ in ckpt.list_checkpoints(local / run_dir.name)] == [3], "the newest is kept on the node"
+    for _, path in ckpt.list_checkpoints(shared):
+        assert ckpt.verify_checkpoint(path)  # its own checksum file, written before the rename
+    state, path = ckpt.load_latest(shared)
+    assert path.parent == shared and torch.equal(state["user_state"]["w"], torch.arange(1000.0) + 3)
+    assert ckpt.file_sha256(path) == ckpt.file_sha256(ckpt.checkpoint_path(local / run_dir.name, 3))

@@ -265,3 +265,20 @@ def test_snapshot_into_a_finished_snapshot_reuses_its_buffers() -> None:
     assert second["b"].shape == (4,) and second["t"][0].data_ptr() == first["t"][0].data_ptr()
     state["w"].add_(1)
     assert not torch.equal(second["w"], state["w"]), "still a copy"
+
+
+def test_copy_checkpoint_verifies_the_bytes_and_keeps_the_rules(tmp_path: Path) -> None:
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    for step in (10, 20, 30):
+        ck.copy_checkpoint(ck.save_checkpoint(local, _state(step), step, keep=1), shared, keep=2)
+    assert [s for s, _ in ck.list_checkpoints(local)] == [30] and [s for s, _ in ck.list_checkpoints(shared)] == [30, 20]
+    assert ck.verify_checkpoint(ck.checkpoint_path(shared, 30))
+    assert ck.load_latest(shared)[0]["step"] == 30
+    src = ck.save_checkpoint(local, _state(40), 40, keep=1)
+    data = bytearray(src.read_bytes())
+    data[len(data) // 2] ^= 0x01  # the first copy damaged (a flipped bit in node memory)
+    src.write_bytes(bytes(data))
+    with pytest.raises(ck.DamagedCheckpoint, match="the first copy is damaged"):
+        ck.copy_checkpoint(src, shared, keep=2)
+    assert [s for s, _ in ck.list_checkpoints(shared)] == [30, 20] and not list(shared.glob(".ckpt-*"))
+    assert not ck.digest_path(ck.checkpoint_path(shared, 40)).exists()
