@@ -87,8 +87,15 @@ def plan_text(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_dir
             continue
         seen.add(r.name)
         rd = study.run(r.name)
-        parts.append(f"\n# ---- {rd.script.relative_to(study.path)} ----\n")
-        parts.append(render_script(r.job, rd.path))
+        if backend == "submitit":  # the script submitit itself writes for the point, not the sbatch template
+            from cyclone_kit.backends.submitit_ import sbatch_text
+
+            parts.append(f"\n# ---- {rd.submitit.relative_to(study.path)}/<job id>_submission.sh (written by "
+                         "submitit) ----\n")
+            parts.append(sbatch_text(r.job, rd.path))
+        else:
+            parts.append(f"\n# ---- {rd.script.relative_to(study.path)} ----\n")
+            parts.append(render_script(r.job, rd.path))
     if sweep.report:
         parts.append(f"\n# ---- {study.report_script.name} (submitted with #SBATCH --dependency=afterany:"
                      "<every point's job id>) ----\n")

@@ -37,3 +37,17 @@ def test_dry_run_of_the_submitit_backend_prints_submitits_script_not_the_templat
     assert "-m submitit.core._submit" in proc.stdout and "#SBATCH --wckey=submitit" in proc.stdout
     assert "stepwatch" not in proc.stdout and "cyclone_kit: submitit writes the srun line itself" in proc.stdout
     assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+
+
+def test_sweep_dry_run_of_the_submitit_backend_prints_submitits_script_for_every_point(tmp_path: Path) -> None:
+    proc = run_cli("sweep", str(REPO / "jobs" / "demo_strong.toml"), "--backend", "submitit", "--dry-run",
+                   "--runs-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    points = proc.stdout.split("(written by submitit) ----\n")[1:]
+    assert len(points) == 2, proc.stdout[:2000]
+    for text in points:
+        script = text.split("\n# ---- ", 1)[0]
+        assert script.startswith("#!/bin/bash\n") and "-m submitit.core._submit" in script
+        assert "cyclone_kit: submitit writes the srun line itself" in script and "stepwatch" not in script
+    assert "p0-ws1-n1x1/submitit/<job id>_submission.sh" in proc.stdout
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
