@@ -234,8 +234,16 @@ def use_static_graph(train: TrainConfig) -> bool:
 def _wrap_ddp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distributed: bool) -> nn.Module:
     if not distributed:
         return model
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if device.kind != "cuda" and dist.get_debug_level() == dist.DebugLevel.DETAIL:  # seen with torch 2.14.1
+        raise ValidationError(
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL with train.strategy=ddp on gloo: torch's DistributedDataParallel "
+            "crashes (segmentation fault) in its constructor under DETAIL on the CPU",
+            hint="use TORCH_DISTRIBUTED_DEBUG=INFO on the CPU (DETAIL works with fsdp, horovod, pipeline), "
+                 "or DETAIL on GPUs",
+        )
     return DDP(
         model,
         device_ids=[device.index] if device.kind == "cuda" else None,

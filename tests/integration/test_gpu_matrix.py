@@ -7,7 +7,9 @@ precision with a CPU GradScaler, a forced overflow): resnet18 (20 BatchNorm laye
 scaler: their step 2 overflows (rank 0's loss under DDP and Horovod, one element of one rank's gradient
 shard under FSDP, one of stage 0's gradients in the pipeline), segment 1 ends with the checkpoint of
 step 2 and segment 2 resumes it to step 4. All cases of a segment run at once (the module's fixture);
-each test reads its own run. Every wait has a hang guard; no verdict reads a clock.
+each test reads its own run. One combination is refused by the engine before its first step, with one
+error line: DDP on gloo under DETAIL, which torch 2.14's DDP constructor turns into a segfault. Every wait
+has a hang guard; no verdict reads a clock.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ HANG_S = 400
 DRIVER = REPO / "tests" / "helpers" / "gpu_choices_rank.py"
 #: torch 2.14's DistributedDataParallel segfaults in its constructor (``Logger.set_construction_data_and_log``)
 #: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on gloo with resnet18 (stock DDP, outside cyclone_kit: most
-#: starts, not all), so the 2-rank DDP case runs under INFO; DETAIL there is left to a GPU (NCCL).
+#: starts, not all); the engine refuses it (the ``-refused`` case), the 2-rank DDP case that trains runs
+#: under INFO, and DDP under DETAIL is left to a GPU (NCCL).
 DDP_DEBUG = "INFO"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * HANG_S + 120)]
@@ -53,16 +56,21 @@ class Case:
     choices: tuple[str, ...]
     train: dict[str, Any] = field(default_factory=dict)
     debug: str = "DETAIL"
+    refused: str | None = None  # the error line every rank must stop with, before its first step
 
     @property
     def resume(self) -> bool:
-        return self.precision == "fp16"
+        return self.precision == "fp16" and self.refused is None
 
 
 CASES = {
     "ddp-w1-bf16-fused-nhwc": Case("ddp", 1, "bf16", ("fused", "channels_last", "precision")),
     "ddp-w2-fp16-fused-nhwc-overflow-resume": Case("ddp", 2, "fp16", ("fused", "channels_last", "precision"),
                                                    debug=DDP_DEBUG),
+    "ddp-w2-fp16-fused-nhwc-detail-refused": Case(
+        "ddp", 2, "fp16", ("fused", "channels_last", "precision"),
+        refused="TORCH_DISTRIBUTED_DEBUG=DETAIL with train.strategy=ddp on gloo: torch's DistributedDataParallel "
+                "crashes (segmentation fault) in its constructor under DETAIL on the CPU"),
     "fsdp-w2-bf16-nhwc": Case("fsdp", 2, "bf16", ("channels_last", "precision")),
     "fsdp-w2-fp16-nhwc-overflow-resume": Case("fsdp", 2, "fp16", ("channels_last", "precision")),
     "horovod-w2-bf16-nhwc": Case("horovod", 2, "bf16", ("channels_last", "precision")),
@@ -109,10 +117,11 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cases = {n: c for n, c in CASES.items() if not (missing and c.strategy == "horovod")}
     root = tmp_path_factory.mktemp("gpu-matrix")
     runs = {name: root / name for name in cases}
-    # segment 1: the fp16 cases to the checkpoint of step 2 (step 2 overflowed), the others all 4 steps
+    # segment 1: the fp16 cases to the checkpoint of step 2 (step 2 overflowed), and the refused cases
     first = {n: c for n, c in cases.items() if c.resume}
-    results = {n: [r] for n, r in _segment(runs, first, CKPT_STEP, overflow=True).items()}
-    rest = {n: c for n, c in cases.items() if not c.resume}
+    refused = {n: c for n, c in cases.items() if c.refused}
+    results = {n: [r] for n, r in _segment(runs, {**first, **refused}, CKPT_STEP, overflow=True).items()}
+    rest = {n: c for n, c in cases.items() if not c.resume and not c.refused}
     # segment 2: the fp16 cases resume to step 4 (no overflow forced), with the others' only run
     for name, res in _segment(runs, {**first, **rest}, None, overflow=False).items():
         results.setdefault(name, []).append(res)
@@ -129,11 +138,20 @@ def test_gpu_configuration_trains_on_cpu(matrix: dict[str, Any], name: str) -> N
     """The case trains its 4 steps with finite losses and parameters and a completed end record; the CUDA
     choices were in force (the precision in the start record, fused SGD under DDP, NHWC weights where the
     strategy keeps them); an fp16 case skipped its overflowed step 2 on every rank (the scale halved, the
-    ranks agreeing), wrote the checkpoint of step 2 and resumed it with the halved scale: steps 1-4 once each."""
+    ranks agreeing), wrote the checkpoint of step 2 and resumed it with the halved scale: steps 1-4 once each.
+    A refused case: every rank exits 2 before its first step with the one error line (and its HINT)."""
     case = CASES[name]
     if case.strategy == "horovod" and matrix["missing"]:
         pytest.skip(f"Horovod not importable: {matrix['missing']}")
     run = matrix["runs"][name]
+    if case.refused:
+        [results] = matrix["results"][name]
+        for rank, (code, out, err) in enumerate(results):
+            lines = [x for x in err.splitlines() if x.startswith("error:")]
+            assert code == 2 and len(lines) == 1, f"{name} rank {rank} exited {code}\n{out[-2000:]}\n{err[-3000:]}"
+            assert case.refused in lines[0] and "HINT: use TORCH_DISTRIBUTED_DEBUG=INFO" in lines[0], lines[0]
+        assert not records(run, "step") and not list(run.glob("checkpoints/*.pt"))
+        return
     for segment, results in enumerate(matrix["results"][name], 1):
         for rank, (code, out, err) in enumerate(results):
             assert code == 0, f"{name} segment {segment} rank {rank} exited {code}\n{out[-2000:]}\n{err[-3000:]}"
