@@ -38,6 +38,7 @@ from cyclone_kit.analysis.render import render_html, render_markdown
 from cyclone_kit.analysis.report_content import report_blocks
 from cyclone_kit.analysis.scaling import ScalingFit, compare_to_baselines, fit_scaling_laws, scaling_table
 from cyclone_kit.core.errors import CycloneError
+from cyclone_kit.launchers import LOCAL
 
 __all__ = [
     "BASELINE_COLUMNS", "PLOT_STEMS", "ReportResult", "load_baseline", "parse_baseline_spec", "render_html",
@@ -130,7 +131,7 @@ def write_report(
     accounting_note = ""
     sacct: dict = {}
     if accounting:
-        on_slurm = data.runs[data.runs["launcher"].astype(str) != "local"]  # local runs' job ids are fake
+        on_slurm = data.runs[data.runs["launcher"].astype(str) != LOCAL.name]  # local runs' job ids are fake
         sacct, accounting_note = query_sacct(list(on_slurm["slurm_job_id"].dropna()))
     usage = usage_table(data.runs, data.ranks, sacct)
 

@@ -19,6 +19,7 @@ from cyclone_kit.backends.base import log_files as run_log_files
 from cyclone_kit.backends.local_env import available_cores, rank_environments, threads_per_rank, working_directory
 from cyclone_kit.backends.srun_emulator import GRACE_S, failure_record, format_failure, launch, record_submission
 from cyclone_kit.core.errors import RankFailure, ValidationError
+from cyclone_kit.launchers import LOCAL
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.entry import rank_argv
 from cyclone_kit.rundir.layout import RunDir, last_end_record
@@ -62,7 +63,7 @@ class LocalBackend:
         threads = threads_per_rank(nproc, available_cores())
         rd.set_threads(threads)
         result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=rank_argv(job.spec, rd.path),
+                        grace_s=self.grace_s, command=LOCAL.rank_command(rank_argv(job.spec, rd.path)),
                         cwd=working_directory(job.spec))
         record_submission(rd, result.job_id, self.name)
         if not result.ok:

@@ -1,10 +1,9 @@
 """The Slurm-like environment of a rank on this machine (pure): what ``srun`` would give it.
 
-SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS, SLURM_JOB_NODELIST,
-SLURM_TASKS_PER_NODE in its ``2(x2)`` form, SLURM_STEP_ID, a fake SLURM_JOB_ID, plus
-MASTER_ADDR and a free MASTER_PORT, so the runtime takes the very bootstrap path it takes
-under Slurm. All "nodes" are this host: one node is ``localhost``, several are ``127.0.0.1``,
-``127.0.0.2`` ... Used by the srun emulator and by the submitit backend's local executor.
+The local launcher's own variables (SLURM_PROCID & co., the rendezvous, threads) are
+:mod:`cyclone_kit.launchers.local`'s; here they are laid on this process's environment, cleaned of
+an enclosing launcher's variables, beside this machine's cores, GPUs, a free port and a fake job
+id. Used by the srun emulator and by the submitit backend's local executor.
 """
 
 from __future__ import annotations
@@ -18,6 +17,12 @@ from typing import Any
 
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.core.malloc import malloc_environment
+from cyclone_kit.launchers import LOCAL
+from cyclone_kit.launchers.local import fake_hosts, nodelist_string, tasks_per_node_string
+
+__all__ = ["FOREIGN_NAMES", "FOREIGN_PREFIXES", "available_cores", "clean_environment", "fake_hosts", "free_port",
+           "gpu_slices", "new_job_id", "nodelist_string", "rank_environments", "tasks_per_node_string",
+           "threads_per_rank", "visible_gpus", "working_directory"]
 
 #: Variables of an enclosing launcher that must not leak into the ranks (they would win detection).
 FOREIGN_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "SALLOC_", "OMPI_", "PMI_", "PMIX_", "SUBMITIT_",
@@ -39,29 +44,6 @@ def available_cores() -> int:
 def threads_per_rank(nproc: int, cores: int) -> int:
     """Torch threads per rank: the cores shared evenly, at least 1 (pure)."""
     return max(1, cores // max(1, nproc))
-
-
-def fake_hosts(nodes: int) -> list[str]:
-    """Host names for ``nodes`` pretend nodes of this machine: all resolve to loopback (pure)."""
-    if nodes == 1:
-        return ["localhost"]
-    return [f"127.0.0.{i + 1}" for i in range(nodes)]
-
-
-def nodelist_string(hosts: Sequence[str]) -> str:
-    """The hosts as a Slurm hostlist (``localhost`` or ``127.0.0.[1-2]``; pure)."""
-    if len(hosts) == 1:
-        return hosts[0]
-    if all(h.startswith("127.0.0.") for h in hosts):
-        last = [int(h.rsplit(".", 1)[1]) for h in hosts]
-        if last == list(range(last[0], last[0] + len(last))):
-            return f"127.0.0.[{last[0]}-{last[-1]}]"
-    return ",".join(hosts)
-
-
-def tasks_per_node_string(per_node: int, nodes: int) -> str:
-    """SLURM_TASKS_PER_NODE for an even layout: ``2`` or ``2(x3)`` (pure)."""
-    return str(per_node) if nodes == 1 else f"{per_node}(x{nodes})"
 
 
 def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -123,65 +105,18 @@ def rank_environments(
     base: Mapping[str, str] | None = None,
     submit_dir: str | None = None,
 ) -> list[dict[str, str]]:
-    """The environment of every rank, as srun would set it for ``nodes`` x ``nproc/nodes`` tasks (pure).
+    """The environment of every rank, as srun would set it for ``nodes`` x ``nproc/nodes`` tasks (pure
+    but for the working directory when ``submit_dir`` is None): ``base`` without an enclosing
+    launcher's variables, the malloc settings, and the local launcher's
+    (:meth:`~cyclone_kit.launchers.registry.LocalLauncher.rank_variables`) on top.
 
     Raises:
         ValidationError: ``nproc`` is not a positive multiple of ``nodes``.
     """
-    if nodes < 1 or nproc < 1:
-        raise ValidationError(f"--nproc={nproc} --nodes={nodes}: both must be at least 1", hint="e.g. --nproc 2")
-    if nproc % nodes:
-        raise ValidationError(
-            f"--nproc={nproc} does not split evenly over --nodes={nodes}",
-            hint=f"use --nproc as a multiple of {nodes}, e.g. --nproc {nodes * max(1, nproc // nodes)}",
-        )
-    per_node = nproc // nodes
-    hosts = fake_hosts(nodes)
-    nodelist = nodelist_string(hosts)
-    tpn = tasks_per_node_string(per_node, nodes)
-    common = {
-        **clean_environment(base or {}),
-        **malloc_environment(base or {}),
-        "SLURM_JOB_ID": job_id,
-        "SLURM_JOBID": job_id,
-        "SLURM_JOB_NAME": job_name,
-        "SLURM_JOB_NODELIST": nodelist,
-        "SLURM_NODELIST": nodelist,
-        "SLURM_JOB_NUM_NODES": str(nodes),
-        "SLURM_NNODES": str(nodes),
-        "SLURM_NTASKS": str(nproc),
-        "SLURM_NPROCS": str(nproc),
-        "SLURM_NTASKS_PER_NODE": str(per_node),
-        "SLURM_TASKS_PER_NODE": tpn,
-        "SLURM_JOB_CPUS_PER_NODE": tasks_per_node_string(per_node * threads, nodes),
-        "SLURM_CPUS_PER_TASK": str(threads),
-        "SLURM_STEP_ID": "0",
-        "SLURM_STEPID": "0",
-        "SLURM_STEP_NODELIST": nodelist,
-        "SLURM_STEP_NUM_NODES": str(nodes),
-        "SLURM_STEP_NUM_TASKS": str(nproc),
-        "SLURM_STEP_TASKS_PER_NODE": tpn,
-        "SLURM_SUBMIT_DIR": submit_dir or os.getcwd(),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "PYTHONUNBUFFERED": "1",
-        "CYCLONE_RUN_DIR": str(run_dir),
-        "CYCLONE_LAUNCHER": "local",
-    }
-    envs = []
-    for rank in range(nproc):
-        node = rank // per_node
-        envs.append({
-            **common,
-            "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank % per_node),
-            "SLURM_NODEID": str(node),
-            "SLURMD_NODENAME": hosts[node],
-            "SLURM_TOPOLOGY_ADDR": hosts[node],
-        })
-    return envs
+    ours = LOCAL.rank_variables(nproc, nodes, job_id=job_id, master_port=master_port, threads=threads,
+                                run_dir=run_dir, job_name=job_name, submit_dir=submit_dir or os.getcwd())
+    below = {**clean_environment(base or {}), **malloc_environment(base or {})}
+    return [{**below, **variables} for variables in ours]
 
 
 def working_directory(spec: Any) -> str | None:

@@ -37,6 +37,7 @@ from cyclone_kit.backends.local_env import (
     threads_per_rank,
     visible_gpus,
 )
+from cyclone_kit.launchers import LOCAL
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.entry import trainer_words
 from cyclone_kit.rundir.failures import read_error_record, signal_name
@@ -538,7 +539,7 @@ def _write_launch_record(
     doc = {
         "schema": 1,
         "kind": "launch",
-        "launcher": "local",
+        "launcher": LOCAL.name,
         "job_id": job_id,
         "nodelist": envs[0]["SLURM_JOB_NODELIST"],
         "master": f"{envs[0]['MASTER_ADDR']}:{envs[0]['MASTER_PORT']}",

@@ -100,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
                                       hint="give SCRIPT.py, or use --set train.strategy=horovod")
             import dataclasses
 
-            spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher="horovod"))
+            from cyclone_kit.launchers import HOROVOD
+
+            spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher=HOROVOD.name))
         job = fill_args(local_job(spec, args.nproc, args.nodes, args.threads))
         rd = RunDir.create(Path(args.runs_dir).absolute(), job.spec.name,
                            json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n", script_files(job.spec))

@@ -29,6 +29,7 @@ from cyclone_kit.config.toolbox import (
     read_toml,
 )
 from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.launchers import DEFAULT, selectable_names
 from cyclone_kit.slurm.walltime import parse_time
 
 #: Models the runtime can build (cyclone_kit.runtime.models implements every one).
@@ -57,7 +58,8 @@ STRATEGIES = ("ddp", "fsdp", "horovod", "pipeline")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
-LAUNCHERS = ("srun", "torchrun", "horovod")
+#: The launchers a job may name (from the registry, :mod:`cyclone_kit.launchers`).
+LAUNCHERS = selectable_names()
 
 
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG")
@@ -140,7 +142,7 @@ class Resources:
     time: str = "01:00:00"
     account: str = ""
     exclusive: bool = False
-    launcher: str = "srun"
+    launcher: str = DEFAULT.name
     mem: str = ""
     extra_sbatch: tuple[str, ...] = ()
     spare_nodes: int | None = None  # nodes allocated beside `nodes` for in-job restarts (None: the profile's)

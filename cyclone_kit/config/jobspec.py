@@ -307,8 +307,8 @@ def resolved_spec(job: ResolvedJob) -> JobSpec:
         partition=job.partition.name,
         gpus_per_node=job.gpus_per_node,
         # torchrun on CPU nodes: the workers per node (its --nproc-per-node), as the flag meant
-        ntasks_per_node=job.procs_per_node if job.spec.resources.launcher == "torchrun" and not job.gpus_per_node
-        else job.ntasks_per_node,
+        ntasks_per_node=job.launcher.recorded_tasks_per_node(job.ntasks_per_node, job.procs_per_node,
+                                                             job.gpus_per_node),
         cpus_per_task=job.cpus_per_task,
         time=job.time,
         account=job.account,

@@ -36,6 +36,7 @@ from cyclone_kit.config.profile import ClusterProfile
 from cyclone_kit.config.toolbox import did_you_mean, read_toml
 from cyclone_kit.config.validate import ResolvedJob, resolve
 from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.launchers import get_launcher
 
 MODES = ("strong", "weak")
 SWEEP_KEYS = ("name", "mode", "global_batch_size", "points", "world_sizes", "repeats", "report", "serial", "base")
@@ -368,15 +369,9 @@ def point_spec(sweep: SweepSpec, point: SweepPoint, profile: ClusterProfile) -> 
     """The base spec placed at ``point``: nodes, tasks (and GPUs) per node, batch and name (pure)."""
     res = sweep.base.resources
     part = profile.partition(res.partition) if res.partition else profile.default_partition
-    if res.launcher == "torchrun":
-        # torchrun: one task per node that starts one process per GPU
-        resources = dataclasses.replace(res, nodes=point.nodes, ntasks_per_node=None,
-                                        gpus_per_node=point.ntasks_per_node)
-    elif part.gpus_per_node:
-        resources = dataclasses.replace(res, nodes=point.nodes, ntasks_per_node=point.ntasks_per_node,
-                                        gpus_per_node=point.ntasks_per_node)
-    else:
-        resources = dataclasses.replace(res, nodes=point.nodes, ntasks_per_node=point.ntasks_per_node)
+    # the launcher places the point's ranks: tasks (and GPUs) per node, or torchrun's one agent per node
+    layout = get_launcher(res.launcher).point_resources(point.ntasks_per_node, bool(part.gpus_per_node))
+    resources = dataclasses.replace(res, nodes=point.nodes, **layout)
     name = f"{sweep.name}-ws{point.world_size}"
     if sweep.base.script is not None:  # the script's args get the point's numbers ({per_device_batch_size} ...)
         from cyclone_kit.config.job import fill_script_args

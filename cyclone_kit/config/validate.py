@@ -13,6 +13,7 @@ from cyclone_kit.config.job import JobSpec
 from cyclone_kit.config.profile import ClusterProfile, Partition
 from cyclone_kit.config.toolbox import parse_mem_mb
 from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.launchers import Launcher, get_launcher
 from cyclone_kit.slurm.walltime import format_time, parse_time
 
 
@@ -43,19 +44,21 @@ class ResolvedJob:
         return self.spare_nodes > 0 or 0 < self.min_nodes < self.nodes
 
     @property
+    def launcher(self) -> Launcher:
+        """The launcher that starts the ranks (``resources.launcher`` from the registry)."""
+        return get_launcher(self.spec.resources.launcher)
+
+    @property
     def world_size(self) -> int:
         """Number of training ranks (one per GPU, or per task on CPU partitions)."""
-        if self.spec.resources.launcher == "torchrun":
-            return self.nodes * self.procs_per_node
-        return self.nodes * self.ntasks_per_node
+        return self.nodes * self.procs_per_node
 
     @property
     def procs_per_node(self) -> int:
-        """Training processes per node (torchrun starts this many per task: one per GPU, or on CPU
-        nodes ``resources.ntasks_per_node`` workers, its ``--nproc-per-node``)."""
-        if self.spec.resources.launcher == "torchrun":
-            return self.gpus_per_node or self.spec.resources.ntasks_per_node or 1
-        return self.ntasks_per_node
+        """Training processes per node: the tasks, or what each task's agent starts (torchrun: one
+        per GPU, or on CPU nodes ``resources.ntasks_per_node`` workers, its ``--nproc-per-node``)."""
+        return self.launcher.procs_per_node(self.ntasks_per_node, self.gpus_per_node,
+                                            self.spec.resources.ntasks_per_node)
 
     @property
     def time(self) -> str:
@@ -90,49 +93,22 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
             hint=f"use --gpus-per-node between 1 and {part.gpus_per_node}, or a CPU partition",
         )
 
-    launcher = res.launcher
-    if launcher == "torchrun":
-        tasks = 1  # one torchrun agent per node; it starts the workers
-        if gpus and res.ntasks_per_node not in (None, 1, gpus):
-            raise ValidationError(
-                f"--ntasks-per-node={res.ntasks_per_node} with the torchrun launcher on {where}, whose workers are "
-                f"one per GPU ({gpus} per node)",
-                hint=f"drop --ntasks-per-node (torchrun starts {gpus} workers per node), or use "
-                f"--gpus-per-node={res.ntasks_per_node}",
-            )
-    elif gpus:
-        tasks = gpus if res.ntasks_per_node is None else res.ntasks_per_node
-        if tasks != gpus:
-            raise ValidationError(
-                f"--ntasks-per-node={tasks} but --gpus-per-node={gpus}: with the {launcher} launcher each task drives one GPU",
-                hint=f"use --ntasks-per-node={gpus} or --gpus-per-node={tasks}",
-            )
-    else:
-        tasks = res.ntasks_per_node or 1
+    launcher = get_launcher(res.launcher)  # its rules: tasks per node, CPUs per task, in-job restarts
+    error = launcher.layout_error(res.ntasks_per_node, gpus, where)
+    if error is not None:
+        raise error
+    tasks = launcher.tasks_per_node(res.ntasks_per_node, gpus)
 
     if res.cpus_per_task is not None:
         cpus = res.cpus_per_task
     elif gpus:
-        cpus = min(profile.cpus_per_gpu or part.cpus_per_gpu, part.cpus_per_gpu)
-        if launcher == "torchrun":
-            cpus *= gpus  # one task per node drives every GPU of it
+        cpus = launcher.cpus_per_task(min(profile.cpus_per_gpu or part.cpus_per_gpu, part.cpus_per_gpu), gpus)
     else:
         cpus = max(1, part.cpus_per_node // max(tasks, 1))
-    workers = res.ntasks_per_node or 1
-    if launcher == "torchrun" and not gpus and workers > cpus:
-        raise ValidationError(
-            f"--ntasks-per-node={workers} torchrun workers per node but --cpus-per-task={cpus}: each worker "
-            "needs a core of the node's one task",
-            hint=f"use --cpus-per-task={min(workers, part.cpus_per_node)} or more, or fewer workers "
-            f"(at most {cpus})" if workers <= part.cpus_per_node else
-            f"use at most {part.cpus_per_node} workers per node (the cores of a node of {where})",
-        )
-    if gpus and cpus > part.cpus_per_gpu and launcher != "torchrun":
-        raise ValidationError(
-            f"--cpus-per-task={cpus} is more than the {part.cpus_per_gpu} cores per GPU of {where}",
-            hint=f"use --cpus-per-task={part.cpus_per_gpu} or fewer",
-        )
-    total_cpus = cpus * (tasks if launcher != "torchrun" else 1)
+    error = launcher.cpu_error(res.ntasks_per_node, cpus, gpus, part.cpus_per_gpu, part.cpus_per_node, where)
+    if error is not None:
+        raise error
+    total_cpus = cpus * tasks
     if total_cpus > part.cpus_per_node:
         raise ValidationError(
             f"{tasks} tasks x {cpus} CPUs per task = {total_cpus} CPUs, but {where} nodes have {part.cpus_per_node}",
@@ -162,25 +138,22 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
     return job
 
 
-def check_restart_layout(nodes: int, spares: int, min_nodes: int, launcher: str, partition_nodes: int,
+def check_restart_layout(nodes: int, spares: int, min_nodes: int, launcher: Launcher, partition_nodes: int,
                          where: str) -> None:
     """Spare nodes and a shrink floor against the partition and the launcher (pure).
 
     Raises:
-        ValidationError: more nodes and spares than the partition has, or in-job restarts with torchrun.
+        ValidationError: more nodes and spares than the partition has, or in-job restarts with a
+            launcher that refuses them (torchrun's agent restarts on its own).
     """
     if spares and nodes + spares > partition_nodes:
         raise ValidationError(
             f"--nodes={nodes} and --spare-nodes={spares} need {nodes + spares} nodes but {where} has {partition_nodes}",
             hint=f"use --spare-nodes={max(partition_nodes - nodes, 0)} or fewer, or fewer --nodes",
         )
-    if launcher == "torchrun" and (spares or 0 < min_nodes < nodes):
-        raise ValidationError(
-            "--spare-nodes / --min-nodes restart the step inside the job with the srun and horovod launchers; "
-            "torchrun has its own elastic restarts",
-            hint="use --launcher srun (the ranks get torchrun's variables all the same), or drop "
-                 "--spare-nodes and --min-nodes",
-        )
+    error = launcher.restart_error(spares, min_nodes, nodes)
+    if error is not None:
+        raise error
 
 
 def _check_pipeline(job: ResolvedJob) -> None:
@@ -222,7 +195,7 @@ def check_script_gpu_layout(spec: JobSpec, profile: ClusterProfile, gpus: int, t
     Raises:
         ValidationError: a script job with several ranks per node and such a binding or request.
     """
-    per_node = gpus if spec.resources.launcher == "torchrun" else tasks
+    per_node = get_launcher(spec.resources.launcher).procs_per_node(tasks, gpus, spec.resources.ntasks_per_node)
     if spec.script is None or not gpus or per_node < 2:
         return
     binds = [b.split("=", 1)[1] for b in profile.srun_binding if b.startswith("--gpu-bind=")]

@@ -29,6 +29,7 @@ from cyclone_kit.config.profile import load_profile
 from cyclone_kit.config.validate import ResolvedJob, resolve
 from cyclone_kit.core.errors import CommandError, CycloneError
 from cyclone_kit.doctor.checks import Check, HostVersions, ModuleFacts, SmokeResult
+from cyclone_kit.launchers import SRUN
 from cyclone_kit.rundir.network import NetworkFigures
 
 #: the smoke job's name (``--job-name``) and the prefix of its run directory.
@@ -84,7 +85,7 @@ def doctor_request(profile: str, partition: str, nodes: int | None, account: str
         name=JOB_NAME,
         resources=Resources(profile=prof.name, partition=part.name, nodes=nodes, account=account, time=JOB_TIME,
                             ntasks_per_node=ntasks_per_node,
-                            launcher="srun"),
+                            launcher=SRUN.name),
         checkpoint=CheckpointConfig(requeue=False, resume=False, every_steps=0),
     )
     return resolve(spec, prof)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.launchers import get_launcher
 from cyclone_kit.rundir.layout import RunDir
 
 TRAINER_MODULE = "cyclone_kit.runtime"
@@ -32,14 +33,16 @@ def trainer_words(run_dir: Path | str) -> list[str]:
     return ["-m", TRAINER_MODULE, "--run-dir", str(run_dir)]
 
 
-def shim_words(run_dir: Path | str | None, target: Sequence[str], *, horovod: bool = False) -> list[str]:
-    """The launch shim's arguments after ``python``: ``target`` is ``[SCRIPT, ARGS...]`` or ``[-m, MOD, ARGS...]``."""
+def shim_words(run_dir: Path | str | None, target: Sequence[str], *, horovod: bool = False,
+               flags: Sequence[str] = ()) -> list[str]:
+    """The launch shim's arguments after ``python``: ``target`` is ``[SCRIPT, ARGS...]`` or ``[-m, MOD, ARGS...]``;
+    ``flags`` are the launcher's (:attr:`~cyclone_kit.launchers.registry.Launcher.shim_flags`)."""
     words = ["-m", SHIM_MODULE]
     if run_dir is not None:
         words += ["--run-dir", str(run_dir)]
     if horovod:
         words.append("--horovod")
-    return words + list(target)
+    return words + list(flags) + list(target)
 
 
 def script_target(script: Any, run_dir: Path | str | None = None) -> list[str]:
@@ -60,7 +63,7 @@ def rank_words(spec: Any, run_dir: Path | str) -> list[str]:
     script = getattr(spec, "script", None)
     if script is None:
         return trainer_words(run_dir)
-    return shim_words(run_dir, script_target(script, run_dir), horovod=spec.resources.launcher == "horovod")
+    return shim_words(run_dir, script_target(script, run_dir), flags=get_launcher(spec.resources.launcher).shim_flags)
 
 
 def rank_argv(spec: Any, run_dir: Path | str, *, python: str | None = None) -> list[str]:

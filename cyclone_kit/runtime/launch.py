@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.launchers import LOCAL, TORCHRUN
 from cyclone_kit.rundir.layout import RunDir
 
 #: The strategy label of the records written for a script without ``ck.log_step``.
@@ -167,13 +168,13 @@ def start_record(env: Any, shim: ShimArgs, spec: Any, when: str,
     in ``environ``) the launcher is ``local`` and there is no job id (its SLURM_JOB_ID is made up),
     as in the engine's and the API's records."""
     script = getattr(spec, "script", None)
-    local = (environ or {}).get("CYCLONE_LAUNCHER") == "local"
+    local = LOCAL.started(environ or {})
     return {
         "kind": "start", "schema": 1, "source": "launch", "time": when,
         "script": shim.target, "args": list(shim.args),
         "sha256": _file_hash(shim.script) or getattr(script, "sha256", "") or None,
         "world_size": env.world_size, "num_nodes": env.num_nodes, "local_world_size": env.local_world_size,
-        "launcher": "local" if local else env.launcher,
+        "launcher": LOCAL.name if local else env.launcher,
         "hostnames": list(env.hostnames) or [env.host or socket.gethostname()],
         "slurm_job_id": None if local else env.job_id, "restart_count": env.restart_count, "pid": os.getpid(),
     }
@@ -329,7 +330,7 @@ def exports_torchrun_variables(env: Any, dist_env: str, requires: bool = False) 
     is a torchrun script and gets them at a world of one too. Real torchrun's own variables are
     never taken away. ``torchrun`` gives them to a world of one always, as ``torchrun --nproc 1``.
     """
-    return dist_env == "torchrun" or env.world_size > 1 or env.launcher == "torchrun" or (dist_env == "auto" and requires)
+    return dist_env == "torchrun" or env.world_size > 1 or env.launcher == TORCHRUN.name or (dist_env == "auto" and requires)
 
 
 def requires_torchrun_variables(source: str) -> bool:
@@ -686,7 +687,7 @@ def end_on_sigterm(write_end: Any, environ: Mapping[str, str]) -> bool:
     """
     import signal
 
-    if environ.get("CYCLONE_LAUNCHER") != "local" or signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+    if not LOCAL.started(environ) or signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
         return False
 
     def stopped(signum: int, frame: object) -> None:
@@ -727,7 +728,7 @@ def _record_error(run_dir: Path | None, rank: int, host: str, exc: BaseException
             if message is not None:
                 exc = type(exc)(message) if not isinstance(exc, SystemExit) else ScriptExit(message)
             failures.write_error_record(run_dir, rank, host, exc, traceback.format_exc())
-        if os.environ.get("CYCLONE_LAUNCHER") != "local":
+        if not LOCAL.started(os.environ):
             failures.record_rank_failure(run_dir, rank, written_by="rank", job_id=os.environ.get("SLURM_JOB_ID"))
     except Exception as write_error:  # never hide the script's own failure behind this one
         _say(f"could not write the error record: {write_error}")

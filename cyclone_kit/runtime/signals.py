@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
+from cyclone_kit.launchers import LOCAL
+
 #: Flag values, ordered so that the MAX reduce lets a requeue request win over a plain stop.
 NONE, STOP, REQUEUE = 0, 1, 2
 
@@ -154,7 +156,7 @@ def propose_interval(last: tuple[int, float] | None, step: int, now: float, inte
 
 def under_slurm(environ: Mapping[str, str]) -> bool:
     """True inside a real Slurm job (the local launcher's fake SLURM_JOB_ID does not count)."""
-    if environ.get("CYCLONE_LAUNCHER") == "local":
+    if LOCAL.started(environ):
         return False
     return bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_ARRAY_JOB_ID"))
 

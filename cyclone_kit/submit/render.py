@@ -105,7 +105,7 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
     return {
         "version": __version__,
         "profile": prof.name,
-        "launcher": spec.resources.launcher,
+        "launcher": job.launcher.name,
         "name": spec.name,
         "nodes": job.nodes,
         "alloc_nodes": job.alloc_nodes if job.restarts_in_job else job.nodes,
@@ -176,7 +176,7 @@ def render_script(
     ``template`` picks another template (``doctor.sbatch.j2``); ``extra`` adds the values only
     that template uses to :func:`script_context`.
     """
-    name = template or f"{job.spec.resources.launcher}.sbatch.j2"
+    name = template or job.launcher.template
     return _render(name, {**script_context(job, run_dir, python), **(extra or {})}, environ)
 
 

@@ -20,11 +20,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cyclone_kit"
 #: package -> the packages it may import (besides itself). Absent: no rule beyond the others.
 MAY_IMPORT = {
     "core": set(),
-    "rundir": {"core"},
+    "launchers": {"core"},
+    "rundir": {"core", "launchers"},
     "slurm": {"core"},
-    "config": {"core", "slurm", "rundir"},
-    "submit": {"core", "slurm", "config", "rundir", "backends"},
-    "backends": {"core", "slurm", "config", "rundir"},
+    "config": {"core", "slurm", "rundir", "launchers"},
+    "submit": {"core", "slurm", "config", "rundir", "backends", "launchers"},
+    "backends": {"core", "slurm", "config", "rundir", "launchers"},
 }
 #: (importer, imported) allowed across the rules above, each with its reason.
 EXCEPTIONS = {
@@ -40,6 +41,11 @@ FILE_NAME_OWNERS = {"cyclone_kit.rundir.layout", "cyclone_kit.rundir.contract"}
 #: The loose modules allowed at the package root: the public face and thin compatibility aliases.
 ROOT_MODULES = {"__init__", "__main__", "api", "launch", "ports", "doctor_probe"}
 ALIASES = {"launch", "ports", "doctor_probe"}
+#: The launcher registry: the only package that compares a launcher's name (the others ask it).
+LAUNCHER_REGISTRY = "launchers"
+#: Modules the launcher-name rule does not cover yet: runtime/watchdog.py asks CYCLONE_LAUNCHER == "local"
+#: itself (another change is rewriting it; LOCAL.started(environ) is the registry's answer).
+LAUNCHER_RULE_PENDING = {"cyclone_kit.runtime.watchdog"}
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,31 @@ def file_name_spellings(root: Path) -> list[str]:
     return bad
 
 
+def launcher_name_comparisons(root: Path) -> list[str]:
+    """Comparisons of a launcher (an operand whose code says ``launcher``) with a registered launcher's
+    name spelled as a string (``==``, ``!=``, ``in`` a literal tuple/list/set), outside the registry."""
+    from cyclone_kit.launchers import LAUNCHERS
+
+    def names(node: ast.expr) -> set[str]:
+        items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+        return {n.value for n in items if isinstance(n, ast.Constant) and n.value in LAUNCHERS}
+
+    bad = []
+    for name, path in modules(root).items():
+        if package_of(name) == LAUNCHER_REGISTRY or name in LAUNCHER_RULE_PENDING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            for i, operand in enumerate(operands):
+                spelled = names(operand)
+                if spelled and any("launcher" in ast.unparse(o).lower() for j, o in enumerate(operands) if j != i):
+                    bad.append(f"{name}:{node.lineno} compares a launcher with {sorted(spelled)}: "
+                               "ask cyclone_kit.launchers (get_launcher(...) and its rules)")
+    return bad
+
+
 def test_no_import_cycles() -> None:
     assert cycles(PACKAGE) == []
 
@@ -209,6 +240,10 @@ def test_no_private_name_crosses_modules() -> None:
 
 def test_each_run_directory_file_name_has_one_owner() -> None:
     assert file_name_spellings(PACKAGE) == []
+
+
+def test_only_the_launcher_registry_compares_launcher_names() -> None:
+    assert launcher_name_comparisons(PACKAGE) == []
 
 
 def test_only_the_public_face_sits_at_the_root() -> None:
@@ -250,3 +285,13 @@ def test_the_unit_tier_refuses_to_start_a_process() -> None:
 
     with pytest.raises(AssertionError, match="tests/unit starts no process"):
         subprocess.run(["true"], check=False)
+
+
+def test_a_planted_launcher_name_comparison_is_found(planted: Path) -> None:
+    sweep = planted / "config" / "sweep.py"
+    sweep.write_text(sweep.read_text() + "\n\ndef _late(res):\n    return res.launcher in ('srun', 'horovod')\n")
+    render = planted / "submit" / "render.py"
+    render.write_text(render.read_text() + "\n\ndef _late(job):\n    return 'torchrun' == job.spec.resources.launcher\n")
+    found = launcher_name_comparisons(planted)
+    assert any("config.sweep" in v and "horovod" in v for v in found)
+    assert any("submit.render" in v and "torchrun" in v for v in found)
