@@ -1,23 +1,42 @@
 """``--backend local``: run a job right here, in the foreground, through the srun emulator.
 
-The backend (:class:`LocalBackend`: the Backend protocol), what ``run`` builds for it
-(:func:`local_job`) and the status of a finished foreground run (:func:`run_dir_status`). The
-processes themselves are :mod:`cyclone_kit.backends.srun_emulator`'s; their Slurm-like
-environments are :mod:`cyclone_kit.backends.local_env`'s.
+The backend (:class:`LocalBackend`: the Backend protocol), its plan (:class:`LocalPlan`: the
+ranks' command, working folder and the variables the launcher sets on each, what ``submit
+--backend local --dry-run`` prints and ``launch.json`` records for the real run), what ``run``
+builds for it (:func:`local_job`) and the status of a finished foreground run
+(:func:`run_dir_status`). The processes themselves are
+:mod:`cyclone_kit.backends.srun_emulator`'s; their Slurm-like environments are
+:mod:`cyclone_kit.backends.local_env`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from cyclone_kit.backends.base import JobHandle
 from cyclone_kit.backends.base import log_files as run_log_files
-from cyclone_kit.backends.local_env import available_cores, rank_environments, threads_per_rank, working_directory
-from cyclone_kit.backends.srun_emulator import GRACE_S, failure_record, format_failure, launch, record_submission
+from cyclone_kit.backends.local_env import (
+    available_cores,
+    launcher_variables,
+    rank_environments,
+    threads_per_rank,
+    working_directory,
+)
+from cyclone_kit.backends.srun_emulator import (
+    GRACE_S,
+    LaunchResult,
+    failure_record,
+    format_failure,
+    launch,
+    record_submission,
+)
 from cyclone_kit.core.errors import RankFailure, ValidationError
 from cyclone_kit.launchers import LOCAL
 from cyclone_kit.rundir import failures
@@ -27,10 +46,43 @@ from cyclone_kit.rundir.layout import RunDir, last_end_record
 if TYPE_CHECKING:
     from cyclone_kit.slurm.parse import JobInfo
 
-__all__ = ["NO_JOB_ID", "LocalBackend", "launch_facts", "local_job", "run_dir_status"]
+__all__ = ["AT_LAUNCH_JOB_ID", "AT_LAUNCH_PORT", "NO_JOB_ID", "LocalBackend", "LocalPlan", "launch_facts", "local_job",
+           "run_dir_status"]
 
 #: What ``status`` shows as a local run's job id: no scheduler gave it one.
 NO_JOB_ID = "-"
+#: What a dry run shows for the two values drawn when the ranks start: the fake job id and a free port.
+AT_LAUNCH_JOB_ID, AT_LAUNCH_PORT = "<job id drawn at launch>", "<free port found at launch>"
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """What the local launcher runs for a job: one command on every rank, in one working folder,
+    each rank with the variables the launcher sets on it (laid on this process's environment,
+    cleaned of an enclosing launcher's variables). ``launch.json`` records the same for the real run.
+    """
+
+    run_dir: str
+    cwd: str
+    threads_per_rank: int
+    command: tuple[str, ...]
+    ranks: tuple[Mapping[str, str], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as ``launch.json`` has it (without what only the launch knows: job id, pids)."""
+        return {
+            "launcher": LOCAL.name,
+            "run_dir": self.run_dir,
+            "cwd": self.cwd,
+            "nodelist": self.ranks[0]["SLURM_JOB_NODELIST"],
+            "threads_per_rank": self.threads_per_rank,
+            "command": list(self.command),
+            "ranks": [{"rank": r, "host": env["SLURMD_NODENAME"], "env": dict(env)} for r, env in enumerate(self.ranks)],
+        }
+
+    def text(self) -> str:
+        """The plan as a dry run prints it (JSON)."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
 class LocalBackend:
@@ -42,9 +94,51 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, *, echo: IO[str] | None = None, grace_s: float = GRACE_S) -> None:
+    def __init__(self, *, echo: IO[str] | None = None, grace_s: float = GRACE_S, threads: int | None = None,
+                 timeout_s: float | None = None, extra_env: Mapping[str, str] | None = None) -> None:
+        """``echo``: where rank 0's output goes (default stdout; ``io.StringIO()`` to drop it);
+        ``threads``: torch threads per rank (default: this machine's cores shared evenly);
+        ``timeout_s``: stop every rank after so long; ``extra_env``: variables for every rank."""
         self.echo = sys.stdout if echo is None else echo
         self.grace_s = grace_s
+        self.threads = threads
+        self.timeout_s = timeout_s
+        self.extra_env = dict(extra_env or {})
+
+    def plan(self, job: Any, run_dir: Path | str, *, job_id: str = AT_LAUNCH_JOB_ID,
+             master_port: int | str = AT_LAUNCH_PORT, environ: Mapping[str, str] | None = None) -> LocalPlan:
+        """What :meth:`launch` runs for ``job`` in ``run_dir`` (the job id and port as placeholders unless given).
+
+        Raises:
+            ValidationError: the ranks do not split evenly over the nodes, or would share a GPU.
+        """
+        run_dir = str(Path(run_dir).absolute())
+        threads = self.threads_for(job)
+        cwd = working_directory(job.spec) or os.getcwd()
+        ranks = launcher_variables(job.world_size, job.nodes, job_id=job_id, master_port=master_port,
+                                   threads=threads, run_dir=run_dir, job_name=job.spec.name, submit_dir=cwd,
+                                   base=os.environ if environ is None else environ, extra_env=self.extra_env)
+        return LocalPlan(run_dir, cwd, threads, tuple(LOCAL.rank_command(rank_argv(job.spec, run_dir))), tuple(ranks))
+
+    def dry_run(self, job: Any, run_dir: Path | str) -> str:
+        """The plan of ``job`` as ``submit --backend local --dry-run`` prints it (writes nothing)."""
+        return self.plan(job, run_dir).text()
+
+    def threads_for(self, job: Any) -> int:
+        """Torch threads per rank of ``job``: the backend's, else this machine's cores shared evenly."""
+        return self.threads or threads_per_rank(job.world_size, available_cores())
+
+    def launch(self, job: Any, run_dir: Path) -> LaunchResult:
+        """Run ``job``'s plan in the prepared ``run_dir`` until every rank has ended; record the
+        submission and the threads each rank got; the result says how it went."""
+        rd = RunDir(run_dir)
+        threads = self.threads_for(job)
+        rd.set_threads(threads)
+        result = launch(rd.path, job.world_size, job.nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
+                        grace_s=self.grace_s, command=LOCAL.rank_command(rank_argv(job.spec, rd.path)),
+                        cwd=working_directory(job.spec), timeout_s=self.timeout_s, extra_env=self.extra_env)
+        record_submission(rd, result.job_id, self.name)
+        return result
 
     def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
         """Run ``job`` in ``run_dir`` until it ends; return its handle (a fake job id, already finished).
@@ -59,13 +153,7 @@ class LocalBackend:
             raise ValidationError("the local backend runs in the foreground and cannot wait for other jobs",
                                   hint="drop the dependency, or use --backend slurm")
         rd = RunDir(run_dir)
-        nproc, nodes = job.world_size, job.nodes
-        threads = threads_per_rank(nproc, available_cores())
-        rd.set_threads(threads)
-        result = launch(rd.path, nproc, nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=LOCAL.rank_command(rank_argv(job.spec, rd.path)),
-                        cwd=working_directory(job.spec))
-        record_submission(rd, result.job_id, self.name)
+        result = self.launch(job, rd.path)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")
             raise RankFailure(
@@ -142,7 +230,9 @@ def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None)
     """A ResolvedJob for ``run``: ``nproc`` CPU ranks on ``nodes`` pretend nodes, no profile checks.
 
     The spec's resources are rewritten to what actually runs (nodes, tasks per node, no GPUs
-    requested, ``threads`` CPUs per task); its profile name is kept for the record.
+    requested, ``threads`` CPUs per task). No cluster and no scheduler took part, so the job names
+    no partition and no account (its ``spec.json`` records ``partition = ""``), and its profile is
+    this machine under the spec's profile name, kept for the record.
 
     Raises:
         ValidationError: ``nproc`` does not split evenly over ``nodes``.
@@ -158,6 +248,6 @@ def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None)
     res = dataclasses.replace(spec.resources, nodes=nodes, ntasks_per_node=per_node, gpus_per_node=0,
                               cpus_per_task=threads, partition="", account="")
     spec = dataclasses.replace(spec, resources=res)
-    part = Partition(name="localhost", nodes=nodes, cpus_per_node=per_node * threads, max_time=res.time)
-    profile = ClusterProfile(name="localhost", partitions=(part,), description="this machine (local launcher)")
+    part = Partition(name="", nodes=nodes, cpus_per_node=per_node * threads, max_time=res.time)
+    profile = ClusterProfile(name=res.profile, partitions=(part,), description="this machine (local launcher)")
     return ResolvedJob(spec, profile, part, nodes, 0, per_node, threads, parse_time(res.time), "")

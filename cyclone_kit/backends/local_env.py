@@ -21,7 +21,7 @@ from cyclone_kit.launchers import LOCAL
 from cyclone_kit.launchers.local import fake_hosts, nodelist_string, tasks_per_node_string
 
 __all__ = ["FOREIGN_NAMES", "FOREIGN_PREFIXES", "available_cores", "clean_environment", "fake_hosts", "free_port",
-           "gpu_slices", "new_job_id", "nodelist_string", "rank_environments", "tasks_per_node_string",
+           "gpu_slices", "launcher_variables", "new_job_id", "nodelist_string", "rank_environments", "tasks_per_node_string",
            "threads_per_rank", "visible_gpus", "working_directory"]
 
 #: Variables of an enclosing launcher that must not leak into the ranks (they would win detection).
@@ -117,6 +117,38 @@ def rank_environments(
                                 run_dir=run_dir, job_name=job_name, submit_dir=submit_dir or os.getcwd())
     below = {**clean_environment(base or {}), **malloc_environment(base or {})}
     return [{**below, **variables} for variables in ours]
+
+
+def launcher_variables(
+    nproc: int,
+    nodes: int,
+    *,
+    job_id: str,
+    master_port: int | str,
+    threads: int,
+    run_dir: Path | str,
+    job_name: str,
+    submit_dir: str,
+    base: Mapping[str, str],
+    extra_env: Mapping[str, str] | None = None,
+) -> list[dict[str, str]]:
+    """Every variable the local launcher sets on each rank, and nothing of ``base`` but what it decides:
+    the local launcher's own (:meth:`~cyclone_kit.launchers.registry.LocalLauncher.rank_variables`),
+    the malloc default unless ``base`` sets it, ``extra_env``, and each pretend node's share of the
+    GPUs ``base`` shows (``CUDA_VISIBLE_DEVICES``). A rank's environment is ``base`` cleaned of an
+    enclosing launcher's variables with these on top.
+
+    Raises:
+        ValidationError: ``nproc`` is not a positive multiple of ``nodes``, or more ranks than GPUs.
+    """
+    ours = LOCAL.rank_variables(nproc, nodes, job_id=job_id, master_port=master_port, threads=threads,
+                                run_dir=run_dir, job_name=job_name, submit_dir=submit_dir)
+    extra = dict(extra_env or {})
+    out = [{**malloc_environment(base), **v, **extra} for v in ours]
+    slices = gpu_slices(visible_gpus({**base, **extra}), nproc, nodes)
+    if slices is not None:  # each pretend node its own GPUs
+        out = [{**v, "CUDA_VISIBLE_DEVICES": slices[int(v["SLURM_NODEID"])]} for v in out]
+    return out
 
 
 def working_directory(spec: Any) -> str | None:

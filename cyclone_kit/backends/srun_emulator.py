@@ -30,12 +30,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 from cyclone_kit.backends.local_env import (
     available_cores,
+    clean_environment,
     free_port,
-    gpu_slices,
+    launcher_variables,
     new_job_id,
-    rank_environments,
     threads_per_rank,
-    visible_gpus,
 )
 from cyclone_kit.launchers import LOCAL
 from cyclone_kit.rundir import failures
@@ -289,12 +288,11 @@ def launch(
     threads = threads or threads_per_rank(nproc, available_cores())
     job_id = new_job_id()
     base = os.environ if environ is None else environ
-    envs = rank_environments(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads,
-                             run_dir=run_dir, job_name=job_name, base=base, submit_dir=str(cwd) if cwd else None)
-    envs = [{**env, **(extra_env or {})} for env in envs]
-    slices = gpu_slices(visible_gpus({**base, **(extra_env or {})}), nproc, nodes)
-    if slices is not None:  # each pretend node its own GPUs
-        envs = [{**env, "CUDA_VISIBLE_DEVICES": slices[int(env["SLURM_NODEID"])]} for env in envs]
+    workdir = str(cwd) if cwd else os.getcwd()
+    ours = launcher_variables(nproc, nodes, job_id=job_id, master_port=free_port(), threads=threads, run_dir=run_dir,
+                              job_name=job_name, submit_dir=workdir, base=base, extra_env=extra_env)
+    below = clean_environment(base)
+    envs = [{**below, **v} for v in ours]
     argv = list(command) if command else [sys.executable, *trainer_words(run_dir)]
 
     procs: list[subprocess.Popen[bytes]] = []
@@ -338,7 +336,7 @@ def launch(
                 pumps.append(_ErrPump(proc.stderr, err))
                 threading.Thread(target=_reap, args=(rank, proc, events), daemon=True).start()
             try:
-                _write_launch_record(run_dir, job_id, procs, envs, threads, argv)
+                _write_launch_record(run_dir, job_id, procs, ours, threads, argv, workdir)
             except OSError as e:  # a full disk: the ranks will say what failed; the launcher goes on
                 sys.stderr.write(f"cyclone_kit: warning: could not write {rd.launch}: {e.strerror or e}\n")
             if on_start is not None:
@@ -534,8 +532,11 @@ def _write_launch_record(
     envs: Sequence[Mapping[str, str]],
     threads: int,
     argv: Sequence[str],
+    cwd: str,
 ) -> None:
-    """``launch.json``: the fake job id and every rank's pid and host (for ``status`` and for tests)."""
+    """``launch.json``: the fake job id, the command, the working folder and every rank's pid, host and
+    the variables the launcher set on it (``envs``: :func:`~cyclone_kit.backends.local_env.launcher_variables`;
+    for ``status``, for tests, and to hold against a dry run's plan)."""
     doc = {
         "schema": 1,
         "kind": "launch",
@@ -545,7 +546,9 @@ def _write_launch_record(
         "master": f"{envs[0]['MASTER_ADDR']}:{envs[0]['MASTER_PORT']}",
         "threads_per_rank": threads,
         "command": list(argv),
-        "ranks": [{"rank": r, "pid": p.pid, "host": envs[r]["SLURMD_NODENAME"]} for r, p in enumerate(procs)],
+        "cwd": cwd,
+        "ranks": [{"rank": r, "pid": p.pid, "host": envs[r]["SLURMD_NODENAME"], "env": dict(envs[r])}
+                  for r, p in enumerate(procs)],
     }
     RunDir(run_dir).write_launch(doc)
 

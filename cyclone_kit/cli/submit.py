@@ -17,7 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Validate a job spec against a cluster profile, render its sbatch script "
                                    "and submit it. With --dry-run the script goes to stdout and nothing is written.")
     add_job_arguments(p)
-    p.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    p.add_argument("--dry-run", action="store_true", help="print what would run (the batch script; with --backend "
+                   "local the ranks' command, working folder and variables, as JSON); write and submit nothing")
     p.add_argument("--runs-dir", default="runs", help="where run directories are created (default: ./runs)")
     p.add_argument("--backend", default="slurm", help="slurm (default), submitit or local")
     p.set_defaults(func=run)
@@ -41,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
             from cyclone_kit.backends.submitit_ import sbatch_text
 
             sys.stdout.write(sbatch_text(job, run_dir))
+        elif args.backend == "local":  # the ranks' command, folder and variables: no batch script runs
+            from cyclone_kit.backends.local import LocalBackend
+
+            sys.stdout.write(LocalBackend().dry_run(job, run_dir))
         else:
             sys.stdout.write(render_script(job, run_dir))
         return 0

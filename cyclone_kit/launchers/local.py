@@ -47,7 +47,7 @@ def rank_variables(
     nodes: int,
     *,
     job_id: str,
-    master_port: int,
+    master_port: int | str,
     threads: int,
     run_dir: Path | str,
     job_name: str,

@@ -235,7 +235,7 @@ class AgentPerNode:
 class LocalLauncher(TaskPerGpu):
     """The srun emulator: ranks on this machine with the environment srun would give them."""
 
-    def rank_variables(self, nproc: int, nodes: int, *, job_id: str, master_port: int, threads: int,
+    def rank_variables(self, nproc: int, nodes: int, *, job_id: str, master_port: int | str, threads: int,
                        run_dir: Path | str, job_name: str, submit_dir: str) -> list[dict[str, str]]:
         """The variables this launcher sets for each rank (Slurm's, the rendezvous, threads; pure).
 
