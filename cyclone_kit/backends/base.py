@@ -54,6 +54,9 @@ class Backend(Protocol):
     """Submit a prepared run directory, ask its state, cancel it, find its logs."""
 
     name: str
+    #: Whether its run directory holds the rendered batch script (``job.sbatch``); the local
+    #: backend runs no batch script: its plan is the ranks' commands (``launch.json``).
+    batch_script: bool
 
     def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
         """Run the resolved ``job`` prepared in ``run_dir``, after the jobs ``after`` ended (afterany).

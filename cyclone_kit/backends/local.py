@@ -93,13 +93,15 @@ class LocalBackend:
     """
 
     name = "local"
+    batch_script = False
 
-    def __init__(self, *, echo: IO[str] | None = None, grace_s: float = GRACE_S, threads: int | None = None,
-                 timeout_s: float | None = None, extra_env: Mapping[str, str] | None = None) -> None:
-        """``echo``: where rank 0's output goes (default stdout; ``io.StringIO()`` to drop it);
+    def __init__(self, *, echo: IO[str] | None = None, quiet: bool = False, grace_s: float = GRACE_S,
+                 threads: int | None = None, timeout_s: float | None = None,
+                 extra_env: Mapping[str, str] | None = None) -> None:
+        """``echo``: where rank 0's output goes (default stdout; ``quiet``: nowhere);
         ``threads``: torch threads per rank (default: this machine's cores shared evenly);
         ``timeout_s``: stop every rank after so long; ``extra_env``: variables for every rank."""
-        self.echo = sys.stdout if echo is None else echo
+        self.echo: IO[str] | None = None if quiet else sys.stdout if echo is None else echo
         self.grace_s = grace_s
         self.threads = threads
         self.timeout_s = timeout_s
@@ -129,16 +131,20 @@ class LocalBackend:
         return self.threads or threads_per_rank(job.world_size, available_cores())
 
     def launch(self, job: Any, run_dir: Path) -> LaunchResult:
-        """Run ``job``'s plan in the prepared ``run_dir`` until every rank has ended; record the
-        submission and the threads each rank got; the result says how it went."""
+        """Run ``job``'s plan in the prepared ``run_dir`` until every rank has ended (the threads each
+        rank got go into ``spec.json``); the result says how it went. The caller reports a failure's
+        root cause first, then records the submission (:meth:`record`)."""
         rd = RunDir(run_dir)
         threads = self.threads_for(job)
         rd.set_threads(threads)
         result = launch(rd.path, job.world_size, job.nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
                         grace_s=self.grace_s, command=LOCAL.rank_command(rank_argv(job.spec, rd.path)),
                         cwd=working_directory(job.spec), timeout_s=self.timeout_s, extra_env=self.extra_env)
-        record_submission(rd, result.job_id, self.name)
         return result
+
+    def record(self, run_dir: Path, result: LaunchResult) -> None:
+        """Record the launch's job id and this backend in ``run_dir`` (a full disk: a warning line)."""
+        record_submission(RunDir(run_dir), result.job_id, self.name)
 
     def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
         """Run ``job`` in ``run_dir`` until it ends; return its handle (a fake job id, already finished).
@@ -156,10 +162,12 @@ class LocalBackend:
         result = self.launch(job, rd.path)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")
+            self.record(rd.path, result)
             raise RankFailure(
                 failure_record(result)["summary"],
                 hint=f"see {rd.failure} and {rd.logs}",
             )
+        self.record(rd.path, result)
         return JobHandle(result.job_id, self.name, rd.path)
 
     def status(self, job: str) -> JobInfo:

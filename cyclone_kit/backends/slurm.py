@@ -59,6 +59,7 @@ class SlurmBackend:
     """
 
     name = "slurm"
+    batch_script = True
 
     def __init__(self, *, timeout: float = 30) -> None:
         self.timeout = timeout

@@ -232,6 +232,7 @@ class SubmititBackend:
     """
 
     name = "submitit"
+    batch_script = True  # the template's, beside the script submitit writes itself (its dry run shows that one)
 
     def __init__(self, *, executor: str = "auto", python: str | None = None, wait: bool = False) -> None:
         if executor not in EXECUTORS:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -54,15 +53,19 @@ def resume_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130."""
+    """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130.
+
+    The run directory is prepared as ``submit --backend local`` prepares it (the one writer of
+    ``spec.json``) and the ranks run the local backend's plan.
+    """
     from cyclone_kit.backends.local import LocalBackend, local_job
-    from cyclone_kit.backends.local_env import gpu_slices, visible_gpus, working_directory
-    from cyclone_kit.backends.srun_emulator import format_failure, launch, record_submission
-    from cyclone_kit.config.job import load_spec, spec_from_dict, spec_to_dict
-    from cyclone_kit.config.jobspec import checked_spec, fill_args, refuse_restart_flags, script_files, spec_dict_from_args
+    from cyclone_kit.backends.local_env import gpu_slices, visible_gpus
+    from cyclone_kit.backends.srun_emulator import format_failure
+    from cyclone_kit.config.job import load_spec, spec_from_dict
+    from cyclone_kit.config.jobspec import checked_spec, fill_args, refuse_restart_flags, spec_dict_from_args
     from cyclone_kit.core.errors import ValidationError
-    from cyclone_kit.rundir.entry import rank_argv
     from cyclone_kit.rundir.layout import RunDir
+    from cyclone_kit.submit.submission import prepare_run_dir
 
     for flag in ("nproc", "nodes", "threads"):
         value = getattr(args, flag)
@@ -104,20 +107,19 @@ def run(args: argparse.Namespace) -> int:
 
             spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher=HOROVOD.name))
         job = fill_args(local_job(spec, args.nproc, args.nodes, args.threads))
-        rd = RunDir.create(Path(args.runs_dir).absolute(), job.spec.name,
-                           json.dumps(spec_to_dict(job.spec), indent=2, sort_keys=True) + "\n", script_files(job.spec))
+        rd = RunDir(prepare_run_dir(job, Path(args.runs_dir), batch_script=LocalBackend.batch_script))
+    backend = LocalBackend(quiet=args.quiet, threads=job.cpus_per_task,
+                           timeout_s=args.timeout,
+                           extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
     run_dir = rd.path
     print(f"run dir: {run_dir}")
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {rd.logs}", flush=True)
-    result = launch(run_dir, job.world_size, job.nodes, threads=job.cpus_per_task, job_name=job.spec.name,
-                    command=rank_argv(job.spec, run_dir), cwd=working_directory(job.spec),
-                    timeout_s=args.timeout, echo=None if args.quiet else sys.stdout,
-                    extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
+    result = backend.launch(job, run_dir)
     if not result.ok:  # the root cause first, then (on a full disk) why the run directory could not record it
         sys.stderr.write((format_failure(result) if result.first_failure is not None else
                           f"error: interrupted; every rank was stopped. HINT: see {rd.failure}") + "\n")
-    record_submission(rd, result.job_id, LocalBackend.name)
+    backend.record(run_dir, result)
     if result.ok:
         status = rd.end_status() or "ended"
         hint = f"; resume with: cyclone-kit run --resume {run_dir} --nproc {job.world_size}" if status == "preempted" else ""

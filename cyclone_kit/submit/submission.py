@@ -11,12 +11,20 @@ from cyclone_kit.rundir.layout import RunDir, remove_run_dir
 from cyclone_kit.submit.render import render_script
 
 
-def prepare_run_dir(job: ResolvedJob, runs_dir: Path, extra_files: dict[str, str] | None = None) -> Path:
-    """Write ``job.sbatch`` and ``spec.json`` (and a user script's copy) into a new run directory, all or nothing."""
+def prepare_run_dir(job: ResolvedJob, runs_dir: Path, extra_files: dict[str, str] | None = None, *,
+                    batch_script: bool = True) -> Path:
+    """Write ``spec.json`` (the resolved spec: the one writer of it), a user script's copy and, with
+    ``batch_script``, ``job.sbatch`` into a new run directory, all or nothing.
+
+    Every run directory a job runs in is made here: ``submit`` on every backend, and ``run``
+    (the local backend, ``batch_script=False``: no batch script runs there).
+    """
     from cyclone_kit.config.jobspec import script_files, spec_json
 
     runs_dir = Path(runs_dir).absolute()
     rd = RunDir.create(runs_dir, job.spec.name, spec_json(job), {**script_files(job.spec), **(extra_files or {})})
+    if not batch_script:
+        return rd.path
     try:  # rendered once, for the directory's final name; a bad value leaves no directory behind
         rd.write_script(render_script(job, rd.path))
     except BaseException:
@@ -31,7 +39,7 @@ def submit_job(job: ResolvedJob, runs_dir: Path, backend: str = "slurm") -> tupl
     The backend records the job id and its own name in the run directory.
     """
     chosen = get_backend(backend)
-    run_dir = prepare_run_dir(job, runs_dir)
+    run_dir = prepare_run_dir(job, runs_dir, batch_script=chosen.batch_script)
     try:
         handle = chosen.submit_run(job, run_dir)
     except RankFailure:

@@ -39,3 +39,19 @@ def test_the_dry_run_plan_is_what_the_local_launcher_ran(tmp_path):
     }
     shown = json.loads(dry.stdout.replace(plan["run_dir"], str(run_dir)))  # the run directory's name aside
     assert shown == ran
+    assert not RunDir(run_dir).script.exists(), "no batch script runs on the local backend: none is written"
+
+
+def test_run_prepares_its_run_directory_as_submit_backend_local_does(tmp_path):
+    runs = tmp_path / "runs"
+    real = run_cli("run", SMOKE, "--nproc", "2", "--threads", "1", "--quiet", "--runs-dir", str(runs),
+                   *ARGS[4:], timeout=300)
+    assert real.returncode == 0, real.stderr
+    rd = RunDir(run_dir_of(real.stdout))
+    resources = rd.read_spec()["resources"]
+    # what ran, and no partition or account: no cluster took part (the spec's profile name is kept)
+    assert {k: resources[k] for k in ("nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task", "partition",
+                                      "account", "profile")} == {
+        "nodes": 1, "ntasks_per_node": 2, "gpus_per_node": 0, "cpus_per_task": 1, "partition": "", "account": "",
+        "profile": "local"}
+    assert not rd.script.exists() and rd.backend() == "local" and rd.read_launch() is not None

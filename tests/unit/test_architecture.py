@@ -226,6 +226,18 @@ def launcher_name_comparisons(root: Path) -> list[str]:
     return bad
 
 
+def run_directory_writers(root: Path) -> set[str]:
+    """Modules that create a run directory (``RunDir.create``) or write its ``spec.json`` (``write_spec``)."""
+    found = set()
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and (node.func.attr == "write_spec" or (node.func.attr == "create" and isinstance(node.func.value, ast.Name)
+                                                            and node.func.value.id == "RunDir"))):
+                found.add(name)
+    return found
+
+
 def test_no_import_cycles() -> None:
     assert cycles(PACKAGE) == []
 
@@ -244,6 +256,11 @@ def test_each_run_directory_file_name_has_one_owner() -> None:
 
 def test_only_the_launcher_registry_compares_launcher_names() -> None:
     assert launcher_name_comparisons(PACKAGE) == []
+
+
+def test_run_directories_and_their_spec_are_written_by_the_submit_side_alone() -> None:
+    # submit, run and sweep points: submit.submission.prepare_run_dir; a study's points: submit.study
+    assert run_directory_writers(PACKAGE) == {"cyclone_kit.submit.submission", "cyclone_kit.submit.study"}
 
 
 def test_only_the_public_face_sits_at_the_root() -> None:
