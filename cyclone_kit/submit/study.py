@@ -152,9 +152,8 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
         out, err: progress lines and failure reports (default: nowhere).
     """
     from cyclone_kit.backends.local import LocalBackend
-    from cyclone_kit.backends.local_env import available_cores, working_directory
-    from cyclone_kit.backends.srun_emulator import format_failure, launch
-    from cyclone_kit.rundir.entry import rank_argv
+    from cyclone_kit.backends.local_env import available_cores
+    from cyclone_kit.backends.srun_emulator import format_failure
 
     out, err = out or io.StringIO(), err or io.StringIO()
     outcome = StudyOutcome(study, foreground=True)
@@ -163,11 +162,10 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
         for r in runs:
             rd = study.run(r.name)
             threads = max(1, min(r.job.cpus_per_task, cores // r.world_size))
-            rd.set_threads(threads)
             print(f"== {r.name}: {r.world_size} rank(s), {threads} thread(s) each", file=out, flush=True)
-            result = launch(rd.path, r.world_size, r.job.nodes, threads=threads, job_name=r.job.spec.name, echo=echo,
-                            command=rank_argv(r.job.spec, rd.path), cwd=working_directory(r.job.spec))
-            rd.write_submission(result.job_id, LocalBackend.name)
+            backend = LocalBackend(echo=echo, quiet=echo is None, threads=threads)  # the local backend's plan
+            result = backend.launch(r.job, rd.path)
+            backend.record(rd.path, result)
             outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": result.job_id,
                                     "status": "completed" if result.ok else "failed",
                                     "wall_time_s": round(result.wall_time_s, 3)})
