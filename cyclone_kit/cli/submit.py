@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("submit", help="render and submit a training job (sbatch, submitit or local)",
                        description="Validate a job spec against a cluster profile, render its sbatch script "
-                                   "and submit it. With --dry-run the script goes to stdout and nothing is written.")
+                                   "and submit it. With --dry-run what would run goes to stdout (the script; with --backend "
+                                   "local the ranks' plan) and nothing is written.")
     add_job_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print what would run (the batch script; with --backend "
                    "local the ranks' command, working folder and variables, as JSON); write and submit nothing")
