@@ -338,6 +338,8 @@ def instrument(model: Any = None, loader: Any = None, optimizer: Any = None) -> 
     except RuntimeError as e:
         raise ApiUsageError(f"ck.instrument(model=...) could not register its DDP comm hook ({e})",
                             hint="leave out model= or remove your own register_comm_hook call") from None
+    if timer.comm_note and run.ctx.is_main:  # an older torch: the communication is not timed
+        sys.stderr.write(f"cyclone_kit: warning: {timer.comm_note}\n")
     run.timer, run.data_timed = timer, loader is not None
     timer.open()
     if not run.window_steps:

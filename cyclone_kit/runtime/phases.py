@@ -238,6 +238,7 @@ class PhaseTimer:
     def __init__(self, clock: HostClock | CudaClock) -> None:
         self.clock = clock
         self.comm_timing: str | None = None
+        self.comm_note: str | None = None  # why the communication is not timed (one line), for rank 0 to print
         self.exposed_measured = True
         self.phase = OTHER  # the phase the last mark started
         self._w = _Window()
@@ -347,7 +348,17 @@ class PhaseTimer:
         it is exposed (measured); an asynchronous one (explicit prefetch) counts as communication
         from its call to its future's completion and as hidden. CUDA: intervals between events on
         the collective's stream; the exposed part is not measured (null, left inside compute).
+        A torch without these hooks (before 2.9) leaves the communication untimed (null fields) and
+        says why in :attr:`comm_note`.
         """
+        from cyclone_kit.runtime import torchcompat
+
+        modules = list(modules)
+        if not torchcompat.has_fsdp_custom_comms(modules):  # torch < 2.9: the fields stay null
+            import torch
+
+            self.comm_note = torchcompat.fsdp_comms_line(torch.__version__)
+            return
         gather, scatter = _TimedCollective(self, "all_gather"), _TimedCollective(self, "reduce_scatter")
         for module in modules:
             module.set_custom_all_gather(gather)

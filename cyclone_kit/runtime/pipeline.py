@@ -51,6 +51,7 @@ from cyclone_kit.rundir.contract import pipeline_step_fields
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime import pipeline_ckpt as pck
 from cyclone_kit.runtime import pipeline_split as split
+from cyclone_kit.runtime import torchcompat
 from cyclone_kit.runtime.data import auto_workers, build_data
 from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
@@ -265,9 +266,10 @@ def build_schedule(lay: Layout, stages: list[Any], loss_fn: Callable[..., torch.
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if lay.schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, lay.microbatches, loss_fn=loss_fn, scale_grads=False)
+        return ScheduleInterleaved1F1B(stages, lay.microbatches, loss_fn=loss_fn,
+                                       **torchcompat.schedule_kwargs(ScheduleInterleaved1F1B))
     cls = Schedule1F1B if lay.schedule == "1f1b" else ScheduleGPipe
-    return cls(stages[0], lay.microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages[0], lay.microbatches, loss_fn=loss_fn, **torchcompat.schedule_kwargs(cls))
 
 
 def input_format(channels_last: bool, sample_shape: Sequence[int]) -> torch.memory_format:
@@ -471,11 +473,15 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
     found = session.load_latest() if cc.resume else None
     pipe = _build(session, lay, tc, data.info, found, dev, dtype, channels_last)
     seed_everything(tc.seed + env.rank)
-    optimizer = torch.optim.SGD(pipe.params, lr=plan.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    optimizer = _optimizer(pipe.params, plan.lr, tc, device.kind)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, plan.warmup_steps,
                                                                                    plan.total_steps))
-    scaler = LossScale(distributed=session.distributed, group=side_group()) if precision == "fp16" else None
+    scaler = LossScale(dev, distributed=session.distributed) if precision == "fp16" else None
     loop = _Loop(session, spec, pipe, data, plan, optimizer, scheduler, scaler, dev)
+    if data.val is not None and tc.val_every_epochs > 0 and not torchcompat.has_schedule_eval(pipe.schedule):
+        loop.validates = False
+        if env.is_main:
+            warn(torchcompat.schedule_eval_line(torch.__version__))
     step = loop.resume(found) if found is not None else 0
     if not begin_segment(session, plan, tc, precision=precision, strategy="pipeline", step=step,
                          stages=lay.stages, replicas=lay.replicas, microbatches=lay.microbatches,
@@ -496,6 +502,17 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
         raise
 
 
+def _optimizer(params: Sequence[torch.Tensor], lr: float, tc: Any, device_kind: str) -> torch.optim.Optimizer:
+    """The stages' SGD: fused where the DDP engine's is (CUDA, :func:`~cyclone_kit.runtime.train.use_fused_sgd`),
+    so that :class:`LossScale` skips an overflowed fp16 step on the device; fused momentum buffers seeded."""
+    from cyclone_kit.runtime import train as engine  # looked up at call time (tests force the CUDA choice)
+
+    extra = {"fused": True} if engine.use_fused_sgd("pipeline", device_kind) else {}
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay, **extra)
+    engine.seed_momentum(optimizer)
+    return optimizer
+
+
 class _Loop:
     """The mutable state of one pipeline training segment (private; built by :func:`train_pipeline`)."""
 
@@ -506,6 +523,7 @@ class _Loop:
         self.optimizer, self.scheduler, self.scaler, self.dev = optimizer, scheduler, scaler, dev
         self.step = 0
         self.params_checked_at, self.params_warned = -1, False
+        self.validates = True  # False: this torch has no schedule.eval (torchcompat)
 
     # -- one optimizer step: grad_accum schedule steps, then the replicas' gradients averaged
     def _step(self, batches: Any, window: dict[str, float]) -> torch.Tensor:
@@ -624,7 +642,7 @@ class _Loop:
     @torch.no_grad()
     def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
         with self.session.not_a_step():  # validation is no step for the progress watchdog
-            accuracy = self._validate() if validate and self.data.val is not None else None
+            accuracy = self._validate() if validate and self.validates and self.data.val is not None else None
         self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
         if self.env.is_main and accuracy is not None:
             print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
@@ -696,6 +714,7 @@ class _Loop:
     def resume(self, found: tuple[dict[str, Any], Path]) -> int:
         """Load ``found`` (the newest checkpoint, chosen by rank 0) into this rank's stages; its step."""
         from cyclone_kit.runtime import checkpoint as ckpt
+        from cyclone_kit.runtime.train import seed_momentum
 
         state, path = found
         fmt = state.get("optimizer_format")
@@ -711,6 +730,7 @@ class _Loop:
             if self.env.is_main and not restored:
                 warn(f"checkpoint {path.name} was written by a {state.get('strategy', 'ddp')} run: "
                      "weights restored, optimizer momentum restarts")
+        seed_momentum(self.optimizer)  # a parameter the checkpoint held no momentum for: fused SGD's would be garbage
         self.scheduler.load_state_dict(state["scheduler"])
         pck.sync_lr(self.optimizer, self.scheduler)
         if len(state.get("rng") or []) == self.env.world_size:
@@ -737,46 +757,68 @@ class LossScale:
 
     A stage alone cannot use ``torch.amp.GradScaler``: the loss lives on the last stage, and
     every stage must skip the same steps. After the backward, each stage checks its gradients
-    for inf/NaN; the flags are all-reduced (MAX); all stages then unscale and step, or all
-    skip and halve the scale. After ``growth_interval`` good steps the scale doubles.
+    for inf/NaN into a flag on its device (``torch._amp_foreach_non_finite_check_and_unscale_``,
+    GradScaler's kernel); the flags are all-reduced (MAX) on the device, over every rank of the
+    world; all stages then unscale and step, or all skip and halve the scale. After
+    ``growth_interval`` good steps the scale doubles (``torch._amp_update_scale_``, on the device).
+
+    No host sync in a step with a fused SGD (the engine's on CUDA): the kernel takes the scale and
+    the agreed flag as tensors, unscales the gradients and skips an overflowed step itself, as under
+    GradScaler. A plain SGD cannot skip on the device: its step reads the flag on the host (the
+    CPU's case, where that costs nothing).
+
+    Args:
+        device: where the scale, the flag and the gradients live.
+        init_scale: the first scale (2^16, GradScaler's).
+        growth_interval: good steps before the scale doubles.
+        distributed: all-reduce the flag over ``group``.
+        group: the ranks that agree (None: the default group, i.e. every stage of every replica).
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000, distributed: bool = False,
-                 group: Any = None) -> None:
-        self.scale, self.growth_interval = init_scale, growth_interval
-        self.distributed, self.group, self.good = distributed, group, 0
+    def __init__(self, device: torch.device | str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 distributed: bool = False, group: Any = None) -> None:
+        self.device = torch.device(device)
+        self.scale = torch.full((), init_scale, dtype=torch.float32, device=self.device)
+        self.growth = torch.zeros((), dtype=torch.int32, device=self.device)  # good steps since the last change
+        self.growth_interval, self.distributed, self.group = growth_interval, distributed, group
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale the gradients and step ``optimizer`` unless any stage saw inf/NaN; returns
-        whether it stepped."""
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Unscale the gradients and step ``optimizer`` unless any stage saw inf/NaN, then update the
+        scale. Returns the agreed flag (1 element on the device, 1.0: the step was skipped): read it
+        where the host syncs anyway."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        bad = torch.zeros(1)
-        if grads:  # one host sync for all of the stage's gradients
-            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float().reshape(1).cpu()
+        fused = bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        # fused: only check (the kernel unscales); plain: check and unscale in the same pass
+        inv = torch.ones((), dtype=torch.float32, device=self.device) if fused else self.scale.double().reciprocal().float()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
         if self.distributed:
             import torch.distributed as dist
 
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-        if bad.item():
-            self.scale, self.good = self.scale / 2, 0
-            return False
-        for grad in grads:
-            grad.mul_(1.0 / self.scale)
-        optimizer.step()
-        self.good += 1
-        if self.good % self.growth_interval == 0:
-            self.scale *= 2
-        return True
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)  # queued on the device, no host wait
+        if fused:
+            optimizer.grad_scale, optimizer.found_inf = self.scale, found  # type: ignore[attr-defined]
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+        elif not found.item():  # plain SGD: the host decides (the CPU's path)
+            optimizer.step()
+        torch._amp_update_scale_(self.scale, self.growth, found, 2.0, 0.5, self.growth_interval)
+        return found
 
     def state_dict(self) -> dict[str, float]:
-        """The scale and the count of good steps (for checkpoints)."""
-        return {"scale": self.scale, "good": self.good}
+        """The scale and the count of good steps since it last changed (for checkpoints: read on the host)."""
+        return {"scale": float(self.scale), "good": int(self.growth)}
 
     def load_state_dict(self, state: Mapping[str, float]) -> None:
         """Restore :meth:`state_dict`."""
-        self.scale, self.good = float(state["scale"]), int(state["good"])
-
-
+        self.scale.fill_(float(state["scale"]))
+        self.growth.fill_(int(state["good"]) % self.growth_interval)
 
 
 def to_cpu(obj: Any) -> Any:

@@ -51,14 +51,14 @@ class Block:
 
 def _chain(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     """The model's forward as a chain of candidate blocks, each a list of (prefix, module) parts."""
-    import torchvision
-
     from cyclone_kit.runtime.models import TinyCNN
 
     if isinstance(model, TinyCNN):  # conv, norm, ReLU (+ the pool): one block each
         f = model.features
         return [[(f"features.{i}", f[i]) for i in range(a, b)] for a, b in ((0, 3), (3, 6), (6, len(f)))] + [
             [("", nn.Flatten(1)), ("classifier", model.classifier)]]
+    import torchvision  # only for its models: tiny_cnn needs torch alone
+
     if isinstance(model, torchvision.models.ResNet):  # the stem, every BasicBlock/Bottleneck, the head
         stem = [(n, getattr(model, n)) for n in ("conv1", "bn1", "relu", "maxpool")]
         blocks = [[(f"{layer}.{i}", b)] for layer in ("layer1", "layer2", "layer3", "layer4")

@@ -84,7 +84,8 @@ def place_model(model: nn.Module, dev: torch.device, strategy: str, channels_las
 
 
 def use_fused_sgd(strategy: str, device_kind: str) -> bool:
-    """Whether the engine's SGD is ``fused=True`` (pure): on CUDA under DDP (and on one GPU).
+    """Whether the engine's SGD is ``fused=True`` (pure): on CUDA under DDP (and on one GPU) and in the
+    pipeline (whose :class:`~cyclone_kit.runtime.pipeline.LossScale` hands the kernel the same tensors).
 
     Fused SGD sets ``_step_supports_amp_scaling``, so ``GradScaler.step`` hands it ``grad_scale``
     and ``found_inf`` as tensors and the kernel skips an overflowed step on the device; plain SGD
@@ -93,7 +94,7 @@ def use_fused_sgd(strategy: str, device_kind: str) -> bool:
     for ``aten._fused_sgd_``: NotImplementedError), not under Horovod (its DistributedOptimizer
     re-runs ``SGD.__init__`` without ``fused``, and its ``synchronize()`` waits on the host anyway),
     not on the CPU (unchanged numerics there; nothing to sync)."""
-    return device_kind == "cuda" and strategy == "ddp"
+    return device_kind == "cuda" and strategy in ("ddp", "pipeline")
 
 
 def make_optimizer(model: nn.Module, lr: float, train: TrainConfig, fused: bool) -> torch.optim.Optimizer:
@@ -464,6 +465,8 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
         optimizer, lambda s: lr_factor(s, plan.warmup_steps, plan.total_steps))
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     timer = _phase_timer(strategy, dev, environ, distributed, tc.compile, wrapped, model, optimizer)
+    if timer is not None and timer.comm_note and env.is_main:
+        warn(timer.comm_note)  # an older torch: the communication is not timed
 
     step = 0
     if cc.resume:

@@ -4,7 +4,8 @@
 after the patches named in ``$CK_GPU_CHOICES`` (comma-separated); the product's code is untouched (each
 patch wraps a name the engine looks up at call time, as tests/helpers/pipeline_rank.py does):
 
-* ``fused``: ``train.use_fused_sgd`` answers as on CUDA (fused SGD under DDP; CPU fused SGD exists);
+* ``fused``: ``train.use_fused_sgd`` answers as on CUDA (fused SGD under DDP and in the pipeline, whose
+  LossScale then skips an overflowed step on the device; CPU fused SGD exists);
 * ``channels_last``: the DDP/FSDP/Horovod engine's data loader sends NHWC batches and ``place_model`` gets
   ``channels_last=True`` (its CPU default is off); the pipeline engine's likewise (pipeline_rank's patch);
 * ``precision``: ``resolve_precision`` answers as on a bf16-capable GPU (``fp16`` stays fp16, its CPU
@@ -153,15 +154,15 @@ def watch_steps(run_dir: Path, overflow: bool) -> None:
         log.steps += 1
         log.write(scale=before, after=after, skipped=bool(after is not None and after < before), **_layout(optimizer))
 
-    def logged_loss_scale_step(self: Any, optimizer: Any) -> bool:
+    def logged_loss_scale_step(self: Any, optimizer: Any) -> Any:
         if first() and _rank() == 0:  # stage 0's gradient overflows
             p = next(p for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
             _poison(p.grad)
-        before = self.scale
-        stepped = loss_scale_step(self, optimizer)
+        before = float(self.scale)  # the scale is a device tensor updated in place
+        found = loss_scale_step(self, optimizer)
         log.steps += 1
-        log.write(scale=before, after=self.scale, skipped=not stepped, **_layout(optimizer))
-        return bool(stepped)
+        log.write(scale=before, after=float(self.scale), skipped=bool(found.item()), **_layout(optimizer))
+        return found
 
     def logged_allreduce(params: Any, group: Any, replicas: int) -> Any:
         if precision != "fp16":  # no LossScale step to log: the replicas' gradient average marks the step

@@ -273,15 +273,15 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
                         timeout=datetime.timedelta(seconds=120))
 p = torch.nn.Parameter(torch.ones(4))
 opt = torch.optim.SGD([p], lr=1.0)
-scaler = LossScale(init_scale=8.0, distributed=True)
+scaler = LossScale("cpu", init_scale=8.0, distributed=True)
 p.grad = torch.full((4,), float("inf")) if rank == 1 else torch.full((4,), 8.0)  # only stage 1 overflows
-first = scaler.step(opt)
+first = float(scaler.step(opt))  # 1.0: skipped
 p.grad = torch.full((4,), 4.0)
-second = scaler.step(opt)
+second = float(scaler.step(opt))
 env = DistEnv(rank=rank, world_size=2)
 gathered = gather_to_main(to_cpu({"rank": rank, "state": opt.state_dict()}), env, True)
 with open(f"{out}-{rank}.json", "w") as f:
-    json.dump({"first": first, "second": second, "scale": scaler.scale, "p": p.tolist(),
+    json.dump({"first": first, "second": second, "scale": float(scaler.scale), "p": p.tolist(),
                "gathered": [g["rank"] for g in gathered]}, f)
 dist.barrier()
 dist.destroy_process_group()
@@ -301,6 +301,6 @@ def test_pipeline_stages_agree_on_skipping_an_fp16_step_and_only_rank_0_gathers_
     _two_ranks(STAGES_CHILD, str(tmp_path / "r"))
     r0, r1 = (json.loads((tmp_path / f"r-{r}.json").read_text()) for r in range(2))
     for r in (r0, r1):
-        assert (r["first"], r["second"], r["scale"]) == (False, True, 4.0)
+        assert (r["first"], r["second"], r["scale"]) == (1.0, 0.0, 4.0)  # skipped, then stepped
         assert r["p"] == [0.0, 0.0, 0.0, 0.0]  # only the second step: 1 - 4/4
     assert r0["gathered"] == [0, 1] and r1["gathered"] == []

@@ -1,7 +1,7 @@
 """Issue 28's CPU matrix: every strategy's GPU configuration on real engine ranks (gloo, 1 thread each).
 
 Each case is a run of ``python -m cyclone_kit.runtime`` through tests/helpers/gpu_choices_rank.py, which
-makes on the CPU the choices the engine makes on CUDA (fused SGD under DDP, channels_last, the GPU's
+makes on the CPU the choices the engine makes on CUDA (fused SGD under DDP and in the pipeline, channels_last, the GPU's
 precision with a CPU GradScaler, a forced overflow): resnet18 (20 BatchNorm layers) at 16 px, 4 steps,
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (DDP at 2 ranks: INFO, see ``DDP_DEBUG``). The fp16 cases have a loss
 scaler: their step 2 overflows (rank 0's loss under DDP and Horovod, one element of one rank's gradient
@@ -75,7 +75,8 @@ CASES = {
     "fsdp-w2-fp16-nhwc-overflow-resume": Case("fsdp", 2, "fp16", ("channels_last", "precision")),
     "horovod-w2-bf16-nhwc": Case("horovod", 2, "bf16", ("channels_last", "precision")),
     "horovod-w2-fp16-nhwc-overflow-resume": Case("horovod", 2, "fp16", ("channels_last", "precision")),
-    "pipeline-w2-fp16-nhwc-overflow-resume": Case("pipeline", 2, "fp16", ("channels_last", "precision"), PIPE),
+    "pipeline-w2-fp16-fused-nhwc-overflow-resume": Case("pipeline", 2, "fp16", ("fused", "channels_last", "precision"),
+                                                         PIPE),
     "2d-w4-2stages-x-2replicas-bf16-nhwc": Case("pipeline", 4, "bf16", ("channels_last", "precision"), PIPE),
 }
 
@@ -167,7 +168,7 @@ def test_gpu_configuration_trains_on_cpu(matrix: dict[str, Any], name: str) -> N
     logs = _choices(run, case.world)
     for rank, seen in enumerate(logs):
         assert len(seen) == STEPS, f"rank {rank}: {seen}"
-        assert {s["fused"] for s in seen} == {case.strategy == "ddp"}  # fused SGD: where CUDA takes it
+        assert {s["fused"] for s in seen} == {"fused" in case.choices}  # fused SGD: where CUDA takes it
         assert {s["weights_nhwc"] for s in seen} == {case.strategy in ("ddp", "pipeline")}  # FSDP/Horovod: contiguous
     if case.resume:
         assert [s["start_step"] for s in starts] == [0, CKPT_STEP]

@@ -89,13 +89,18 @@ def test_loss_scale_skips_a_step_with_inf_gradients_and_halves_the_scale() -> No
     opt = torch.optim.SGD([p], lr=1.0)
     scaler = LossScale(init_scale=8.0, growth_interval=2)
     p.grad = torch.tensor([8.0, 16.0, float("inf")])
-    assert scaler.step(opt) is False and scaler.scale == 4.0
+    assert float(scaler.step(opt)) == 1.0 and float(scaler.scale) == 4.0  # skipped
     torch.testing.assert_close(p.detach(), torch.ones(3))  # not stepped
     p.grad = torch.tensor([4.0, 8.0, 0.0])  # gradients scaled by 4
-    assert scaler.step(opt) is True
+    assert float(scaler.step(opt)) == 0.0
     torch.testing.assert_close(p.detach(), torch.tensor([0.0, -1.0, 1.0]))  # unscaled: 1, 2, 0
     p.grad = torch.zeros(3)
-    assert scaler.step(opt) is True and scaler.scale == 8.0  # 2 good steps: grows
-    restored = LossScale()
+    assert float(scaler.step(opt)) == 0.0 and float(scaler.scale) == 8.0  # 2 good steps: grows
+    assert scaler.state_dict() == {"scale": 8.0, "good": 0}
+    p.grad = torch.zeros(3)
+    scaler.step(opt)
+    restored = LossScale(growth_interval=2)
     restored.load_state_dict(scaler.state_dict())
-    assert (restored.scale, restored.good) == (8.0, 2)
+    assert restored.state_dict() == {"scale": 8.0, "good": 1}
+    restored.load_state_dict({"scale": 2.0, "good": 5})  # an older checkpoint counted every good step
+    assert restored.state_dict() == {"scale": 2.0, "good": 1}

@@ -1,0 +1,58 @@
+"""What the installed torch offers beyond the declared floor (``torch>=2.6``): feature tests, each
+with the one line that says what is off without it.
+
+The code uses three APIs newer than 2.6 (checked against the released wheels' sources):
+
+* pipelining schedules' ``scale_grads`` argument (torch 2.7; 2.6 never rescales the gradients, which
+  is what the engine asks for with ``scale_grads=False``): passed only where it is accepted;
+* ``schedule.eval()`` (torch 2.9): the pipeline's validation forward; without it the pipeline's
+  validation is skipped with one line (training, checkpoints and the report's bubble are unaffected);
+* FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (torch 2.9): the FSDP engine's
+  communication timing; without them its ``comm_time_s`` / ``comm_exposed_s`` are null, with one line.
+
+Everything else the runtime calls exists in 2.6 (its strategy tests pass under torch 2.6.0).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+#: The release that brought each optional feature (for the lines below).
+SCHEDULE_EVAL_SINCE = "2.9"
+FSDP_CUSTOM_COMMS_SINCE = "2.9"
+
+
+def schedule_kwargs(schedule_cls: Any) -> dict[str, Any]:
+    """The keyword arguments that make ``schedule_cls`` leave the gradients unscaled (the engine's
+    ``loss_fn`` carries 1/M): ``scale_grads=False`` where the constructor takes it (torch 2.7+), none
+    before (torch 2.6 never rescales)."""
+    try:
+        params = inspect.signature(schedule_cls.__init__).parameters
+    except (TypeError, ValueError):  # no signature to read: ask for it, a TypeError then names the mismatch
+        return {"scale_grads": False}
+    return {"scale_grads": False} if "scale_grads" in params else {}
+
+
+def has_schedule_eval(schedule: Any) -> bool:
+    """Whether the pipelining schedule runs a forward-only pass (``schedule.eval``, torch 2.9+)."""
+    return callable(getattr(schedule, "eval", None))
+
+
+def schedule_eval_line(version: str) -> str:
+    """The one line of a pipeline run whose torch has no ``schedule.eval``."""
+    return (f"pipeline validation skipped: torch {version} has no schedule.eval() (torch >= {SCHEDULE_EVAL_SINCE}); "
+            "no val_accuracy is recorded, training is unaffected")
+
+
+def has_fsdp_custom_comms(modules: Any) -> bool:
+    """Whether every FSDP2 unit of ``modules`` takes custom collectives (``set_custom_all_gather`` and
+    ``set_custom_reduce_scatter``, torch 2.9+)."""
+    return all(callable(getattr(m, "set_custom_all_gather", None)) and
+               callable(getattr(m, "set_custom_reduce_scatter", None)) for m in modules)
+
+
+def fsdp_comms_line(version: str) -> str:
+    """The one line of an FSDP run whose torch cannot time its collectives."""
+    return (f"FSDP communication timing off: torch {version} has no FSDPModule.set_custom_all_gather "
+            f"(torch >= {FSDP_CUSTOM_COMMS_SINCE}); comm_time_s and comm_exposed_s are null, training is unaffected")

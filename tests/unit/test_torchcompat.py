@@ -1,0 +1,81 @@
+"""Issue 28: the feature tests for the torch APIs newer than the declared floor (torch>=2.6), on stand-ins
+shaped like each release and on the installed torch. The runs under torch 2.6.0 itself: README, "Requirements"."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from cyclone_kit.runtime import phases, torchcompat
+
+
+class _Schedule27:  # torch 2.7-2.14's constructor
+    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Any = None, scale_grads: bool = True) -> None:
+        self.scale_grads = scale_grads
+
+
+class _Schedule26:  # torch 2.6's: no scale_grads (and it never rescales the gradients)
+    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Any = None) -> None:
+        pass
+
+
+def test_schedules_leave_the_gradients_unscaled_on_every_torch() -> None:
+    assert torchcompat.schedule_kwargs(_Schedule27) == {"scale_grads": False}
+    assert torchcompat.schedule_kwargs(_Schedule26) == {}
+    assert _Schedule26(None, 2, **torchcompat.schedule_kwargs(_Schedule26)) is not None  # no TypeError
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B):  # the installed torch (>= 2.7 here)
+        assert torchcompat.schedule_kwargs(cls) == {"scale_grads": False}, (cls, torch.__version__)
+
+
+def test_pipeline_validation_needs_schedule_eval() -> None:
+    assert torchcompat.has_schedule_eval(SimpleNamespace(eval=lambda *a, **k: None, step=print))
+    assert not torchcompat.has_schedule_eval(SimpleNamespace(step=print))  # torch 2.6-2.8
+    assert not torchcompat.has_schedule_eval(SimpleNamespace(eval=None))
+    line = torchcompat.schedule_eval_line("2.8.0")
+    assert line == ("pipeline validation skipped: torch 2.8.0 has no schedule.eval() (torch >= 2.9); "
+                    "no val_accuracy is recorded, training is unaffected")
+
+
+def _fsdp_unit(hooks: bool) -> Any:
+    unit = SimpleNamespace(gather=None, scatter=None)
+    if hooks:
+        unit.set_custom_all_gather = lambda comm: setattr(unit, "gather", comm)
+        unit.set_custom_reduce_scatter = lambda comm: setattr(unit, "scatter", comm)
+    return unit
+
+
+@pytest.mark.parametrize(("units", "timed"), [
+    ((True, True), True),  # torch 2.9+
+    ((False, False), False),  # torch 2.6-2.8
+    ((True, False), False),  # never half timed
+])
+def test_fsdp_communication_is_timed_only_where_every_unit_takes_custom_collectives(units: tuple[bool, ...],
+                                                                                   timed: bool) -> None:
+    modules = [_fsdp_unit(h) for h in units]
+    assert torchcompat.has_fsdp_custom_comms(modules) is timed
+    timer = phases.PhaseTimer(phases.HostClock())
+    timer.attach_fsdp(iter(modules))
+    if timed:
+        assert (timer.comm_timing, timer.comm_note) == (phases.FSDP_COMMS, None)
+        assert all(m.gather is not None and m.scatter is not None for m in modules)
+    else:
+        assert timer.comm_timing is None  # the phases' comm fields are null, not wrong
+        assert timer.comm_note == torchcompat.fsdp_comms_line(torch.__version__)
+        assert all(m.gather is None for m in modules)
+    assert "(torch >= 2.9)" in torchcompat.fsdp_comms_line("2.6.0")
+
+
+def test_a_torch_from_2_9_has_every_optional_feature() -> None:
+    """torch 2.9+ (2.14 in this environment) has them all: nothing is degraded there."""
+    if torch.__version__ < "2.9":
+        pytest.skip(f"torch {torch.__version__} predates the optional features (the degraded runs are the point)")
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    assert callable(getattr(_PipelineSchedule, "eval", None))
+    assert callable(getattr(FSDPModule, "set_custom_all_gather", None))
