@@ -112,16 +112,80 @@ def waiting_for_peers(frames: Sequence[str]) -> bool:
     return bool(frames) and any(part in frames[-1].replace("\\", "/") for part in WAIT_PATHS)
 
 
-def busy_not_stalled(busy_share: float, idle_s: float, cpu_s: float, frames: Sequence[str]) -> bool:
-    """Whether a rank with no step for ``idle_s`` (past its bound) is working rather than stalled (pure).
+#: Verdicts of :func:`idle_verdict` on a rank past its bound without a step.
+STALLED, WORKING, UNSURE = "stalled", "working", "unsure"
 
-    Working: its main thread (``frames``) is not inside a collective, and the process used at
-    least ``busy_share`` of a core over that time (``cpu_s`` CPU seconds). A hung rank sleeps,
-    waits on a lock or a dead file system, or waits for a peer; a validation pass computes.
+
+def idle_verdict(busy_share: float, idle_s: float, bound_s: float, cpu_s: float, frames: Sequence[str],
+                 silent_s: float | None) -> str:
+    """What a rank with no step for ``idle_s`` (past its bound ``bound_s``) is doing (pure):
+    :data:`STALLED`, :data:`WORKING` (the wait starts again) or :data:`UNSURE` (look again).
+
+    Stalled: its main thread (``frames``) waits inside a collective; or it has run no Python for at
+    least the bound (``silent_s``: it sits in one C call that has not returned, whatever CPU that
+    call burns: on a GPU a hung rank waits at its next host sync, ``loss.item()``, spinning a core
+    under CUDA's default scheduling behind a collective that never ends); or it used less than
+    ``busy_share`` of a core (``cpu_s`` CPU seconds over ``idle_s``: it sleeps, waits on a lock or a
+    dead file system). Unsure: busy, but in one C call for less than the bound so far. Working: it
+    computes and its main thread keeps returning to Python (a validation pass). ``silent_s`` None:
+    the main thread cannot be probed, the CPU alone decides.
     """
     if waiting_for_peers(frames) or idle_s <= 0:
-        return False
-    return cpu_s / idle_s >= busy_share
+        return STALLED
+    if silent_s is not None and silent_s >= bound_s:
+        return STALLED
+    if cpu_s / idle_s < busy_share:
+        return STALLED
+    return UNSURE if silent_s else WORKING
+
+
+class MainThreadProbe:
+    """How long the main thread has run no Python: a pending call (``Py_AddPendingCall``), which CPython
+    runs only in the main thread between two bytecodes, posted by the watchdog. While the call posted
+    at ``t`` has not run, the main thread has been inside one C call (a CUDA sync, a read, a spin)
+    since ``t``; a thread that returns to Python runs it within one call. No signal is sent: nothing
+    in the main thread is interrupted.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        import ctypes
+
+        self._clock = clock
+        self._posted: float | None = None
+        self._add = ctypes.pythonapi.Py_AddPendingCall
+        self._add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._add.restype = ctypes.c_int
+        self._callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(self._ran)
+        _PROBES.append(self)  # a pending call may outlive the watch: its callback must stay alive
+
+    def _ran(self, _arg: Any) -> int:
+        self._posted = None
+        return 0
+
+    def post(self) -> None:
+        """Post a probe unless one is outstanding (from the watchdog's thread)."""
+        if self._posted is not None:
+            return
+        self._posted = self._clock()
+        if self._add(self._callback, None) != 0:  # the interpreter's queue is full: try at the next look
+            self._posted = None
+
+    def silent_s(self) -> float:
+        """Seconds since the outstanding probe was posted (0.0: none outstanding, the main thread ran it)."""
+        posted = self._posted
+        return 0.0 if posted is None else max(0.0, self._clock() - posted)
+
+
+#: Every probe made (kept alive for their pending calls).
+_PROBES: list[MainThreadProbe] = []
+
+
+def main_thread_probe() -> MainThreadProbe | None:
+    """A :class:`MainThreadProbe`, or None where ctypes cannot reach ``Py_AddPendingCall`` (not CPython)."""
+    try:
+        return MainThreadProbe()
+    except (ImportError, AttributeError, OSError):
+        return None
 
 
 def choose_stuck(records: Mapping[int, Mapping[str, Any] | None], world_size: int) -> list[int]:
@@ -280,25 +344,30 @@ class ProgressWatch:
         settle_s: seconds to wait for the peers' records (default :func:`settle_time`).
         busy_share: for a loop that cannot say what is not a step (a script without the API, fed by
             its optimizer steps): past the bound, a rank whose main thread is not inside a
-            collective and that used at least this share of a core since its last step is busy
-            (a validation pass, a checkpoint), not stalled: the wait starts again (see
-            :func:`busy_not_stalled`). None (the API and the engines): no such exception.
+            collective, keeps returning to Python and used at least this share of a core since its
+            last step is busy (a validation pass, a checkpoint), not stalled: the wait starts again
+            (see :func:`idle_verdict`). None (the API and the engines): no such exception.
         cpu_clock: this process's CPU seconds (default :func:`time.process_time`).
+        probe: tells how long the main thread ran no Python (``post()``, ``silent_s()``); default with
+            ``busy_share``: a :class:`MainThreadProbe`, posted at every look.
     """
 
     def __init__(self, records: Any, rank: int, world_size: int, host: str, policy: StallPolicy, segment: str,
                  on_stall: Callable[[list[int], dict[int, Any], dict[str, Any]], None],
                  exit: Callable[[int], None] = os._exit, settle_s: float | None = None,
-                 busy_share: float | None = None, cpu_clock: Callable[[], float] = time.process_time) -> None:
+                 busy_share: float | None = None, cpu_clock: Callable[[], float] = time.process_time,
+                 probe: Any = None) -> None:
         self.records, self.rank, self.world_size, self.host = records, rank, world_size, host
         self.policy, self.segment, self.on_stall, self._exit = policy, segment, on_stall, exit
         self.settle_s, self.busy_share, self._cpu_clock = settle_s, busy_share, cpu_clock
+        self.probe = probe if probe is not None or busy_share is None else main_thread_probe()
         self.step: int | None = None
         self._t_last = time.monotonic()
         self._cpu_last = cpu_clock()
         self._intervals: deque[float] = deque(maxlen=WINDOW)
         self._paused = 0
         self._stop = threading.Event()
+        self._armed = threading.Event()  # set by the beat that arms the bound: the thread's next look comes now
         self._thread: threading.Thread | None = None
         self._last_write = 0.0
         self.stalled = False
@@ -309,6 +378,8 @@ class ProgressWatch:
         now = time.monotonic()
         if self.step is not None and step > self.step and not self._paused:
             self._intervals.append((now - self._t_last) / (step - self.step))
+            if len(self._intervals) == MIN_STEPS:  # armed: the thread may be in an unarmed (5 s) wait
+                self._armed.set()
         self.step, self._t_last = step, now
         if self.busy_share is not None:
             self._cpu_last = self._cpu_clock()
@@ -337,6 +408,7 @@ class ProgressWatch:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._armed.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
             self._write(self.record("ended"))
@@ -363,19 +435,29 @@ class ProgressWatch:
             sys.stderr.write(f"cyclone_kit: could not write the progress record: {e}\n")
 
     def _loop(self) -> None:
-        while not self._stop.wait(check_interval(self.bound())):
+        while True:
+            bound = self.bound()
+            # unarmed: look every 5 s, or at once when a beat arms the bound (a stall is then one bound away)
+            (self._armed if bound is None else self._stop).wait(check_interval(bound))
+            if self._stop.is_set():
+                return
             bound = self.bound()
             now = time.monotonic()
+            if self.probe is not None:
+                self.probe.post()
             if bound is not None and not self._paused and now - self._t_last > bound:
                 if self.busy_share is None:
                     self._stall()
                     return
                 cpu = self._cpu_clock()
                 frames, _ = main_thread_frames()
-                if not busy_not_stalled(self.busy_share, now - self._t_last, cpu - self._cpu_last, frames):
+                silent = self.probe.silent_s() if self.probe is not None else None
+                verdict = idle_verdict(self.busy_share, now - self._t_last, bound, cpu - self._cpu_last, frames, silent)
+                if verdict == STALLED:
                     self._stall()
                     return
-                self._t_last, self._cpu_last = now, cpu  # a pass that is no step: the wait starts again
+                if verdict == WORKING:  # a pass that is no step: the wait starts again
+                    self._t_last, self._cpu_last = now, cpu
             if now - self._last_write >= beat_interval(bound):
                 self._write(self.record("running"))
 

@@ -10,12 +10,19 @@ Horovod's ``DistributedOptimizer``) feeds a :class:`~cyclone_kit.runtime.progres
 started at the first step, with the job's ``checkpoint.stall_floor_s`` and ``stall_factor``.
 
 What the shim cannot see is what is not a step: a validation pass or a checkpoint between
-optimizer steps. Past the bound, a rank whose main thread is not inside a collective and that
-kept at least :data:`BUSY_SHARE` of a core busy since its last step is counted as working and the
-wait starts again; a rank that sleeps, waits on a lock, a dead file system or a peer is stalled,
-and the usual rules follow (its stack in its error record, ``failure.json`` naming the stuck rank,
-a requeue under Slurm when ``checkpoint.requeue`` allows it, exit 124). A rank that spins in a
-loop of its own is not caught by its own watchdog; its peers, waiting for it in a collective, are.
+optimizer steps. Past the bound, a rank whose main thread is not inside a collective, keeps
+returning to Python (a probe the watchdog posts with ``Py_AddPendingCall`` runs between two
+bytecodes of the main thread) and kept at least :data:`BUSY_SHARE` of a core busy since its last
+step is counted as working and the wait starts again
+(:func:`~cyclone_kit.runtime.progress.idle_verdict`). A rank that sleeps, waits on a lock, a dead
+file system or a peer is stalled; so is one whose main thread sat in one C call for the whole
+bound, however busy: a GPU rank hung behind a collective that never ends waits at its next host
+sync (``loss.item()``), which spins a core under CUDA's default scheduling in no frame of a known
+wait. The usual rules follow (its stack in its error record, ``failure.json`` naming the stuck
+rank, a requeue under Slurm when ``checkpoint.requeue`` allows it, exit 124). A single call that
+rightly outlasts the bound (joining a thread that validates) counts as a stall too: raise
+``checkpoint.stall_floor_s``. A rank that spins in a Python loop of its own is not caught by its
+own watchdog; its peers, waiting for it in a collective, are.
 
 ``ck.init()`` + ``ck.log_step`` in the script take over (:func:`hand_over`): the API's watchdog knows
 what is a step and what is not. Stdlib only.

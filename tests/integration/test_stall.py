@@ -136,9 +136,12 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path) -> No
 
 # --------------------------------------------------------------------------- scripts without the API
 #: A plain DDP script (no cyclone_kit): rank 1 sleeps forever before step 15; or, with ``busy``, one
-#: rank computes for BUSY bounds between steps 5 and 6 (a validation pass, no optimizer step).
+#: rank computes for BUSY bounds between steps 5 and 6 (a validation pass, no optimizer step); or, with
+#: ``spin``, rank 0 enters one C call that spins a core for an hour before step 15 (2^31 HMAC rounds,
+#: the GIL released): the shape of a GPU rank hung at its host sync, ``loss.item()`` spinning under
+#: CUDA's default scheduling behind a collective that never ends.
 PLAIN = """
-import sys, time
+import hashlib, sys, time
 import torch, torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -148,11 +151,13 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DistributedDataParallel(torch.nn.Linear(32, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-steps = 1000000 if mode == "hang" else 10
+steps = 1000000 if mode in ("hang", "spin") else 10
 for step in range(1, steps + 1):
     if mode == "hang" and dist.get_rank() == 1 and step == 15:
         while True:
             time.sleep(3600)   # sleep_forever: the injected fault
+    if mode == "spin" and step == 15:
+        hashlib.pbkdf2_hmac("sha256", b"key", b"salt", 2**31 - 1)   # spin_in_c: the injected fault
     if mode == "busy" and step == 6:
         end, acc = time.monotonic() + busy_s, 0
         while time.monotonic() < end:   # a validation pass: computing, no optimizer step
@@ -184,6 +189,29 @@ def test_a_plain_script_rank_hung_at_a_step_is_named_by_the_shims_watchdog(tmp_p
     end = [json.loads(line) for line in (run_dir / "shim.jsonl").read_text().splitlines()][-1]
     assert end["kind"] == "end" and end["status"] == "failed" and "stalled: rank 1" in end["error"], end
     _ended_in_time(run_dir, 1)
+
+
+def test_a_plain_script_spinning_in_one_c_call_is_stalled_whatever_cpu_it_burns(tmp_path: Path) -> None:
+    """Issue 28: a core busy in one C call that is no collective (a GPU rank's ``loss.item()`` at a hung
+    sync) was taken for a validation pass and the wait restarted forever; the shim's watchdog now sees
+    that the main thread ran no Python for the bound and ends the run, naming the rank and its line."""
+    script = tmp_path / "plain_spin.py"
+    script.write_text(PLAIN)
+    proc = run_cli("run", str(script), "--nproc", "1", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   "--set", f"checkpoint.stall_floor_s={FLOOR_S}", "--", "spin", "0", cwd=tmp_path, timeout=HANG_S)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    failure = _failure(run_dir)
+    assert (failure["cause"], failure["stuck"]) == ("stalled", [0]), failure
+    assert "stopped making progress after step 14" in failure["root_cause"], failure["root_cause"]
+    assert "plain_spin.py" in failure["root_cause"], failure["root_cause"]  # where: the script's own line
+    record = json.loads((run_dir / "ranks" / "error-rank-00000.json").read_text())
+    assert record["type"] == "Stalled" and record["step"] == 14 and "plain_spin.py" in record["traceback"], record
+    progress = json.loads((run_dir / "progress" / "rank-00000.json").read_text())
+    bound = progress["bound_s"]
+    took = _when(failure["time"]) - progress["progress_time"]
+    print(f"{run_dir.name}: last step -> failure.json {took:.1f} s (bound {bound:.1f} s)")
+    assert bound is not None and bound >= FLOOR_S and bound <= took <= bound + SLACK_S, (took, bound)
 
 
 def test_a_plain_script_computing_between_steps_past_the_bound_is_not_stalled(tmp_path: Path) -> None:

@@ -170,12 +170,54 @@ def test_a_pause_is_not_a_stall() -> None:
     assert records.data[0]["state"] == "ended" and records.data[0]["step"] == 6
 
 
-def test_a_rank_past_its_bound_is_busy_only_computing_outside_a_collective() -> None:
-    script = ["/x/train.py", "/x/train.py"]
-    assert pg.busy_not_stalled(0.1, 10.0, 4.0, script)  # a validation pass: 40% of a core
-    assert not pg.busy_not_stalled(0.1, 10.0, 0.2, script)  # asleep, on a lock, on a dead file system
-    assert not pg.busy_not_stalled(0.1, 10.0, 9.0, [*script, "/v/torch/distributed/distributed_c10d.py"])
-    assert not pg.busy_not_stalled(0.1, 0.0, 1.0, script)
+SCRIPT = ["/x/train.py", "/x/train.py"]
+COLLECTIVE = [*SCRIPT, "/v/torch/distributed/distributed_c10d.py"]
+
+
+@pytest.mark.parametrize(("idle_s", "cpu_s", "frames", "silent_s", "verdict"), [
+    (10.0, 4.0, SCRIPT, 0.0, pg.WORKING),  # a validation pass: 40% of a core, back in Python at every look
+    (10.0, 4.0, SCRIPT, None, pg.WORKING),  # no probe (not CPython): the CPU alone decides
+    (10.0, 0.2, SCRIPT, 0.0, pg.STALLED),  # asleep, on a lock, on a dead file system
+    (10.0, 9.0, COLLECTIVE, 0.0, pg.STALLED),  # waiting for a peer inside a collective
+    (0.0, 1.0, SCRIPT, 0.0, pg.STALLED),
+    # a GPU rank hung at its host sync (loss.item() spins a core behind a collective that never ends):
+    # one C call for the whole bound, whatever it burns
+    (10.0, 10.0, SCRIPT, 8.0, pg.STALLED),
+    (10.0, 10.0, SCRIPT, 9.0, pg.STALLED),
+    (10.0, 10.0, SCRIPT, 3.0, pg.UNSURE),  # one C call for less than the bound so far: look again
+    (10.0, 0.2, SCRIPT, 3.0, pg.STALLED),  # ... unless the CPU already says it sleeps
+])
+def test_a_rank_past_its_bound_works_only_computing_in_python_outside_a_collective(
+        idle_s: float, cpu_s: float, frames: list[str], silent_s: float | None, verdict: str) -> None:
+    assert pg.idle_verdict(0.1, idle_s, 8.0, cpu_s, frames, silent_s) == verdict
+
+
+def test_the_probe_runs_when_the_main_thread_returns_to_python_not_before() -> None:
+    """Py_AddPendingCall's probe, posted from another thread (as the watchdog does at every look) while
+    the main thread (this test) sits in one C call (a lock's acquire), stays outstanding until that call
+    returns; then it runs. A probe posted before the main thread reached the call may run: the helper
+    posts until one has stayed outstanding for 0.2 s, then releases the lock."""
+    probe = pg.MainThreadProbe()
+    blocked = threading.Lock()
+    blocked.acquire()
+    seen: list[float] = []
+
+    def other() -> None:
+        start = time.monotonic()
+        while probe.silent_s() < 0.2 and time.monotonic() - start < 60:  # a hang guard, not a bound
+            probe.post()
+            time.sleep(0.01)
+        seen.append(probe.silent_s())
+        blocked.release()
+
+    helper = threading.Thread(target=other)
+    helper.start()
+    assert blocked.acquire(timeout=120)  # a hang guard, not a bound: released by the helper
+    for _ in range(3):  # back in Python: the next bytecodes run the pending call
+        pass
+    helper.join(60)
+    assert seen and seen[0] >= 0.2, seen  # outstanding while the main thread was in C
+    assert probe.silent_s() == 0.0  # ran once it returned
 
 
 def test_a_busy_script_is_not_stalled_and_an_idle_one_is() -> None:
@@ -209,6 +251,35 @@ def test_a_busy_script_is_not_stalled_and_an_idle_one_is() -> None:
     busy.clear()
     assert done.wait(30), "the watchdog never fired once the rank stopped computing"
     assert exits == [pg.STALL_EXIT_CODE] and called[0]["step"] == 5 and called[0]["state"] == "stalled"
+
+
+def test_a_script_spinning_in_one_c_call_past_the_bound_is_stalled() -> None:
+    """The GPU hang's shape on the CPU: the main thread (this test) sits in one C call (a lock's
+    acquire, released only by the watchdog's exit) while the CPU clock says a core is busy, as
+    ``loss.item()`` spins under CUDA's default scheduling. The CPU rule alone took it for a
+    validation pass and restarted the wait forever; the probe sees no Python run for the bound."""
+    records, called, exits = _Records(), [], []
+    blocked = threading.Lock()
+    blocked.acquire()
+    start = time.monotonic()
+
+    def leave(code: int) -> None:
+        exits.append(code)
+        blocked.release()
+
+    watch = _CountingWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
+                           lambda stuck, recs, own: called.append(own), exit=leave, settle_s=0.0,
+                           busy_share=0.1, cpu_clock=lambda: time.monotonic() - start)  # a full core, always
+    for step in range(1, 6):
+        watch.beat(step)
+    watch.start()
+    released = blocked.acquire(timeout=120)  # a hang guard, not a bound: the watchdog's exit releases it
+    watch.stop()
+    assert released and exits == [pg.STALL_EXIT_CODE], "the watchdog took the spinning call for work"
+    (own,) = called
+    assert own["state"] == "stalled" and own["step"] == 5 and own["waiting"] is False
+    assert "test_a_script_spinning_in_one_c_call_past_the_bound_is_stalled" in own["where"], own["where"]
+    assert own["idle_s"] >= own["bound_s"]
 
 
 def test_stall_requeue_needs_requeue_on_and_requeues_left() -> None:
