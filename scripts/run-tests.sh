@@ -15,7 +15,9 @@ cd "$(dirname "$0")/.."
 py=${1:?usage: scripts/run-tests.sh PYTHON [PYTEST ARGS...]}
 shift
 logs=$(mktemp -d "${TMPDIR:-/tmp}/cyclone-tests.XXXXXX")
-common=(-q -ra -p no:cacheprovider --durations=40 "$@")
+# --durations: wall time per test (grows with what runs beside it); tests.helpers.cpu_time: CPU seconds per test
+# file (the work each asks of the machine, the same at any load), printed at each tier's end.
+common=(-q -ra -p no:cacheprovider -p tests.helpers.cpu_time --durations=40 "$@")
 TIERS=(integration slurm unit)
 pids=()
 
