@@ -10,7 +10,9 @@ The code uses three APIs newer than 2.6 (checked against the released wheels' so
 * FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (torch 2.9): the FSDP engine's
   communication timing; without them its ``comm_time_s`` / ``comm_exposed_s`` are null, with one line.
 
-Everything else the runtime calls exists in 2.6 (its strategy tests pass under torch 2.6.0).
+One is not optional: FSDP2 on the CPU (gloo) needs ``torch.cpu.Stream.record_event`` (torch 2.7); under
+torch 2.6 its first all-gather raises AttributeError, so ``train.strategy=fsdp`` on the CPU is refused
+before training (:func:`fsdp_cpu_refusal`). FSDP on GPUs has CUDA streams and is not affected.
 """
 
 from __future__ import annotations
@@ -56,3 +58,15 @@ def fsdp_comms_line(version: str) -> str:
     """The one line of an FSDP run whose torch cannot time its collectives."""
     return (f"FSDP communication timing off: torch {version} has no FSDPModule.set_custom_all_gather "
             f"(torch >= {FSDP_CUSTOM_COMMS_SINCE}); comm_time_s and comm_exposed_s are null, training is unaffected")
+
+
+def fsdp_runs_on_cpu(cpu_stream_cls: Any) -> bool:
+    """Whether FSDP2 can run on CPU streams: ``torch.cpu.Stream`` has ``record_event`` (torch 2.7+)."""
+    return callable(getattr(cpu_stream_cls, "record_event", None))
+
+
+def fsdp_cpu_refusal(version: str) -> tuple[str, str]:
+    """(error, hint) for ``train.strategy=fsdp`` on the CPU under a torch whose FSDP2 cannot run there."""
+    return (f"train.strategy=fsdp on the CPU needs torch >= 2.7: torch {version}'s FSDP2 records events on CPU "
+            "streams, which have no record_event there (AttributeError at the first all-gather)",
+            "install torch>=2.7, or use train.strategy=ddp on the CPU (FSDP on GPUs works with this torch)")

@@ -281,12 +281,22 @@ def _wrap_fsdp(model: nn.Module, device: DeviceChoice, train: TrainConfig, distr
     """FSDP2 (``fully_shard``): under mixed precision the BatchNorm layers first, together as one fp32
     unit (:func:`fsdp_norm_policy`; one all-gather and one reduce-scatter per step for all of them,
     kept unsharded from the forward to the backward: ResNet-50's 53 layers hold 53k parameters), then
-    every parameterised block, then the root, sharded over all ranks."""
+    every parameterised block, then the root, sharded over all ranks.
+
+    Raises:
+        ValidationError: on the CPU under a torch whose FSDP2 cannot run there (2.6).
+    """
     if not distributed:
         return model
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from cyclone_kit.runtime import torchcompat
+
+    if device.kind == "cpu" and not torchcompat.fsdp_runs_on_cpu(torch.cpu.Stream):
+        error, hint = torchcompat.fsdp_cpu_refusal(torch.__version__)
+        raise ValidationError(error, hint=hint)
 
     mesh = init_device_mesh(device.kind, (dist.get_world_size(),))
     policy = fsdp_mixed_precision(resolve_precision(train.precision, device.kind, device.native_bf16))

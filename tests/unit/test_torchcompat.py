@@ -28,8 +28,9 @@ def test_schedules_leave_the_gradients_unscaled_on_every_torch() -> None:
     assert _Schedule26(None, 2, **torchcompat.schedule_kwargs(_Schedule26)) is not None  # no TypeError
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B):  # the installed torch (>= 2.7 here)
-        assert torchcompat.schedule_kwargs(cls) == {"scale_grads": False}, (cls, torch.__version__)
+    expected = {} if torch.__version__ < "2.7" else {"scale_grads": False}  # the argument came in 2.7
+    for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B):  # the installed torch
+        assert torchcompat.schedule_kwargs(cls) == expected, (cls, torch.__version__)
 
 
 def test_pipeline_validation_needs_schedule_eval() -> None:
@@ -79,3 +80,20 @@ def test_a_torch_from_2_9_has_every_optional_feature() -> None:
 
     assert callable(getattr(_PipelineSchedule, "eval", None))
     assert callable(getattr(FSDPModule, "set_custom_all_gather", None))
+
+
+def test_fsdp_on_the_cpu_needs_cpu_streams_that_record_events() -> None:
+    class Stream26:  # torch 2.6's torch.cpu.Stream
+        def wait_stream(self, stream: Any) -> None:
+            pass
+
+    class Stream27(Stream26):
+        def record_event(self) -> None:
+            pass
+
+    assert not torchcompat.fsdp_runs_on_cpu(Stream26) and torchcompat.fsdp_runs_on_cpu(Stream27)
+    error, hint = torchcompat.fsdp_cpu_refusal("2.6.0")
+    assert error.startswith("train.strategy=fsdp on the CPU needs torch >= 2.7: torch 2.6.0's FSDP2") and "\n" not in error
+    assert "train.strategy=ddp" in hint
+    if torch.__version__ >= "2.7":
+        assert torchcompat.fsdp_runs_on_cpu(torch.cpu.Stream)
