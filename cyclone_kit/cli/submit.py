@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from cyclone_kit.submit.render import render_script
 
     check_backend_name(args.backend)  # a dry run is a rehearsal of the real submit: same refusals
-    job = job_from_args(args)
+    job = job_from_args(args, args.backend)
     check_backend(job.spec, args.backend)
     check_restart_backend(job, args.backend)
     runs_dir = Path(args.runs_dir).absolute()

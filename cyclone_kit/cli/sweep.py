@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--account", help="Slurm account (project), e.g. p163")
     p.add_argument("--time", help="wall time of every point, e.g. 00:30:00")
     p.add_argument("--name", help="study name (default: the sweep spec's)")
+    p.add_argument("--container", metavar="IMAGE",
+                   help="run every point's ranks inside this container image (slurm backend; the runtime: the "
+                        "profile's [container] runtime, or --set container.runtime=...)")
     p.add_argument("--no-report", action="store_true", help="do not run or submit the report")
     p.add_argument("--serial", action="store_true",
                    help="slurm/submitit: run the points one after another (as serial = true in the spec)")
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     flags = [(key, getattr(args, dest)) for dest, key in (
         ("profile", "resources.profile"), ("partition", "resources.partition"),
-        ("account", "resources.account"), ("time", "resources.time"),
+        ("account", "resources.account"), ("time", "resources.time"), ("container", "container.image"),
     ) if getattr(args, dest) is not None]
     sweep = load_sweep(args.sweep_spec, args.overrides, flags)
     if args.name:
@@ -90,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:  # a point may set resources.spare_nodes / min_nodes
         check_restart_backend(r.job, args.backend)
     runs_dir = Path(args.runs_dir).absolute()
+    if any(r.job.spec.container is not None for r in runs):  # the image, runtime and binds, before anything is written
+        from cyclone_kit.config.jobspec import check_backend, check_container
+
+        check_backend(runs[0].job.spec, args.backend)
+        runs = tuple(dataclasses.replace(r, job=check_container(r.job, runs_dir)) for r in runs)
     if args.dry_run:
         sys.stdout.write(lib.plan_text(sweep, runs, args.backend, runs_dir))
         return 0

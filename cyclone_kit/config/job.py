@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.config.container import ContainerConfig
 from cyclone_kit.config.toolbox import (
     build,
     check_choice,
@@ -319,7 +320,8 @@ class JobSpec:
     """A whole job: its name plus the train (or script), resources and checkpoint sections.
 
     A job runs either the built-in trainer (``train``) or the user's own program (``script``,
-    not None); ``train`` keeps its defaults and is unused in the second case.
+    not None); ``train`` keeps its defaults and is unused in the second case. ``container`` (not
+    None): its ranks run inside a container image (:mod:`cyclone_kit.config.container`).
     """
 
     name: str = "cyclone"
@@ -327,6 +329,7 @@ class JobSpec:
     resources: Resources = field(default_factory=Resources)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     script: ScriptConfig | None = None
+    container: ContainerConfig | None = None
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -341,7 +344,7 @@ SECTIONS: dict[str, type] = {"train": TrainConfig, "resources": Resources, "chec
 
 
 #: Sections a spec may leave out entirely (None then).
-OPTIONAL_SECTIONS: dict[str, type] = {"script": ScriptConfig}
+OPTIONAL_SECTIONS: dict[str, type] = {"script": ScriptConfig, "container": ContainerConfig}
 
 
 def validate_name(name: str) -> None:
@@ -375,6 +378,11 @@ def spec_from_dict(data: dict[str, Any]) -> JobSpec:
         if not isinstance(data["script"], dict):
             raise ValidationError("job spec key 'script' must be a table", hint='write [script] then path = "train.py"')
         kwargs["script"] = build(ScriptConfig, "script", data["script"])
+    if data.get("container") is not None:
+        if not isinstance(data["container"], dict):
+            raise ValidationError("job spec key 'container' must be a table",
+                                  hint='write [container] then image = "/path/to/image"')
+        kwargs["container"] = build(ContainerConfig, "container", data["container"])
     for section, cls in SECTIONS.items():
         sdata = data.get(section, {})
         if not isinstance(sdata, dict):
@@ -391,6 +399,10 @@ def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
     """The inverse of :func:`spec_from_dict` (JSON-serialisable; None values kept)."""
     out = dataclasses.asdict(spec)
     out["resources"]["extra_sbatch"] = list(spec.resources.extra_sbatch)
+    if spec.container is None:
+        del out["container"]
+    else:
+        out["container"] = {k: list(v) if isinstance(v, tuple) else v for k, v in out["container"].items()}
     if spec.script is None:
         del out["script"]
     else:

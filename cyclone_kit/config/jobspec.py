@@ -30,6 +30,7 @@ FLAG_KEYS = {
     "spare_nodes": "resources.spare_nodes",
     "min_nodes": "resources.min_nodes",
     "name": "name",
+    "container": "container.image",
 }
 
 
@@ -61,6 +62,11 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, with_resources: bool =
                             help="with no spare left, restart the step on as few as M healthy nodes (the world "
                                  "shrinks) rather than requeue the job (default: never below --nodes)")
     parser.add_argument("--name", help="job name (letters, digits, . _ + -)")
+    if with_resources:
+        parser.add_argument("--container", metavar="IMAGE",
+                            help="run the ranks inside this container image (the runtime: the profile's [container] "
+                                 "runtime, or --set container.runtime=charliecloud|apptainer|pyxis); the run directory, "
+                                 "working folder and this virtual environment are bound in at the same paths")
     add_script_arguments(parser)
     add_data_check_argument(parser)
 
@@ -215,7 +221,12 @@ def checked_spec(spec: JobSpec) -> tuple[JobSpec, Any]:
 
 
 def check_backend(spec: JobSpec, backend: str) -> None:
-    """Refuse a backend that cannot run a user's script (submitit runs the built-in trainer's callable)."""
+    """Refuse a backend that cannot run a user's script (submitit runs the built-in trainer's callable),
+    or a container (only the slurm backend's batch script wraps the ranks in one)."""
+    if spec.container is not None and backend != "slurm":
+        raise ValidationError(f"a container job ({spec.container.runtime} image {spec.container.image}) with the "
+                              f"{backend} backend: only the slurm backend's batch script runs the ranks in a container",
+                              hint="use --backend slurm (default), or drop --container")
     if spec.script is not None and backend == "submitit":
         raise ValidationError(f"the submitit backend runs the built-in trainer, not {spec.script.label}",
                               hint="use --backend slurm (default) or --backend local for a script")
@@ -278,13 +289,34 @@ def fill_args(job: ResolvedJob) -> ResolvedJob:
     return dataclasses.replace(job, spec=dataclasses.replace(spec, script=script))
 
 
-def job_from_args(args: argparse.Namespace) -> ResolvedJob:
-    """Build and validate the job the flags describe (a script must exist and compile)."""
+def job_from_args(args: argparse.Namespace, backend: str | None = None) -> ResolvedJob:
+    """Build and validate the job the flags describe (a script must exist and compile; a container's
+    image, runtime and binds exist: :func:`check_container`); with ``backend``, one it can run (:func:`check_backend`)."""
     spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
     job = fill_args(resolve(spec, load_profile(spec.resources.profile)))
     if not getattr(args, "no_data_check", False):
         check_data_dir(job.spec)
-    return job
+    if backend is not None:
+        check_backend(job.spec, backend)
+    return check_container(job, Path(getattr(args, "runs_dir", None) or "runs"))
+
+
+def check_container(job: ResolvedJob, runs_dir: Path) -> ResolvedJob:
+    """``job`` with its container's ``pythonpath`` filled in from this venv (``host_venv``), checked on this
+    login node (:func:`~cyclone_kit.config.container.container_problems`); ``job`` itself without a container.
+
+    Raises:
+        ValidationError: the runtime is not installed, the image or a bind does not exist, or the image lacks
+            a mount point, before any run directory is written.
+    """
+    from cyclone_kit.config.container import container_paths, container_problems, with_host_paths
+
+    if job.spec.container is None:
+        return job
+    box = with_host_paths(job.spec.container)
+    spec = dataclasses.replace(job.spec, container=box)
+    container_problems(box, container_paths(spec, runs_dir.absolute() / "run"), job.partition.name)
+    return dataclasses.replace(job, spec=spec)
 
 
 def script_files(spec: JobSpec) -> dict[str, bytes]:

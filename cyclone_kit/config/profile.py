@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.config.container import ContainerConfig
 from cyclone_kit.config.toolbox import (
     build,
     check_directives,
@@ -73,6 +74,9 @@ class ClusterProfile:
     user's own profile file and are trusted like a shell rc file. ``modules`` and ``env``
     values are data and are always shell-quoted when rendered.
 
+    ``container`` (the ``[container]`` table) gives the cluster's container runtime, binds every
+    containerised job gets, and optionally a default image (then every job runs in it).
+
     ``gpu_bind``, ``cpu_bind`` and ``distribution`` (empty: Slurm's defaults) are passed to
     every ``srun`` of the job as ``--gpu-bind``, ``--cpu-bind`` and ``--distribution``. The
     runtime needs each task to see one GPU, or all of the node's GPUs (it refuses e.g. 2 visible
@@ -95,6 +99,7 @@ class ClusterProfile:
     cpu_bind: str = ""
     distribution: str = ""
     spare_nodes: int = 0  # spare nodes a job on this cluster asks for unless it says (in-job restarts)
+    container: ContainerConfig | None = None  # the [container] table: runtime, binds, a default image
 
     @property
     def srun_binding(self) -> tuple[str, ...]:
@@ -194,6 +199,12 @@ def profile_from_dict(data: dict[str, Any], name: str) -> ClusterProfile:
             part = dataclasses.replace(part, network=published_network(network, name, part))
         partitions.append(part)
     env = data.pop("env", {})
+    container = data.pop("container", None)
+    if container is not None:
+        if not isinstance(container, dict):
+            raise ValidationError(f"profile {name!r}: container must be a table",
+                                  hint='write [container] then runtime = "apptainer"')
+        data["container"] = build(ContainerConfig, "container", container)
     if not isinstance(env, dict) or not all(isinstance(v, str | int | float) for v in env.values()):
         raise ValidationError(f"profile {name!r}: env must be a table of strings", hint='write [env] then KEY = "value"')
     data.setdefault("name", name)

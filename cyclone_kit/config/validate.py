@@ -7,8 +7,10 @@ accepted by Slurm and then pends forever).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from cyclone_kit.config.container import merged
 from cyclone_kit.config.job import JobSpec
 from cyclone_kit.config.profile import ClusterProfile, Partition
 from cyclone_kit.config.toolbox import parse_mem_mb
@@ -68,6 +70,9 @@ class ResolvedJob:
 
 def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
     """Decide every resource of ``spec`` on ``profile``, or raise the first problem found."""
+    container = merged(spec.container, profile.container)  # the job's [container] over the profile's
+    if container != spec.container:
+        spec = dataclasses.replace(spec, container=container)
     res = spec.resources
     part = profile.partition(res.partition) if res.partition else profile.default_partition
     where = f"partition {part.name!r} of profile {profile.name!r}"

@@ -18,11 +18,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from cyclone_kit.config.container import container_paths
 from cyclone_kit.config.validate import ResolvedJob
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.core.malloc import GLIBC_TUNABLES
 from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN  # the templates' MASTER_PORT range (cyclone_kit.core.ports)
 from cyclone_kit.core.version import __version__
+from cyclone_kit.launchers import Launcher, Wrapped
+from cyclone_kit.launchers.containers import ContainerRuntime, job_binds, make_runtime
 from cyclone_kit.rundir.entry import rank_words
 from cyclone_kit.rundir.layout import RunDir, StudyDir
 
@@ -102,6 +105,10 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
     ck = spec.checkpoint
     run_dir = str(run_dir)
     want_signal = ck.requeue or ck.every_steps > 0 or ck.resume
+    python = python or prof.python or sys.executable
+    runtime = container_runtime(job, run_dir)
+    launcher: Launcher = job.launcher if runtime is None else Wrapped(job.launcher, runtime)
+    rank_python = spec.container.python if spec.container is not None else python
     return {
         "version": __version__,
         "profile": prof.name,
@@ -129,13 +136,16 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         # torchrun's agent handles only these by default; the requeue signal would kill it
         "signals_to_handle": ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", f"SIG{ck.signal}"])),
         "shutdown_timeout": ck.signal_lead_s,
-        "srun_bind": list(prof.srun_binding),
+        "srun_bind": [*prof.srun_binding, *(runtime.srun_options() if runtime is not None else ())],
         "requeue": ck.requeue,
         "extra_sbatch": [*prof.extra_sbatch, *spec.resources.extra_sbatch],
         "modules": list(prof.modules),
         "env": list(prof.env),
         "setup": list(prof.setup),
-        "python": python or prof.python or sys.executable,
+        "python": python,
+        # what a rank's command starts with: the job's python, or the container's words and the image's python
+        "rank_python": " ".join(shell_quote(w) for w in launcher.rank_command([rank_python])),
+        "container_lines": container_lines(job, runtime),
         "run_dir": run_dir,
         "log_dir": str(RunDir(run_dir).logs),
         "worker_log_dir": str(RunDir(run_dir).worker_logs),
@@ -148,6 +158,31 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "script_source": (spec.script.path or f"-m {spec.script.module}") if spec.script is not None else "",
         "script_live": bool(spec.script is not None and (spec.script.live or spec.script.module)),
     }
+
+
+def container_runtime(job: ResolvedJob, run_dir: Path | str) -> ContainerRuntime | None:
+    """The container runtime that wraps ``job``'s rank command in ``run_dir`` (pure; None without a container)."""
+    box = job.spec.container
+    if box is None:
+        return None
+    env = (("PYTHONPATH", ":".join(box.pythonpath)),) if box.pythonpath else ()
+    binds = job_binds(box.runtime, container_paths(job.spec, run_dir), box.bind_list)
+    return make_runtime(box.runtime, box.image, binds, env, gpus=bool(job.gpus_per_node))
+
+
+def container_lines(job: ResolvedJob, runtime: ContainerRuntime | None) -> list[str]:
+    """The batch script's lines before the launch for a containerised job (pure; none without one)."""
+    if runtime is None:
+        return []
+    image = job.spec.container.image if job.spec.container is not None else ""
+    lines = [f"# The ranks run in the {runtime.name} image {image} (cyclone_kit/launchers/containers.py): every path "
+             "the job needs",
+             "# (run directory, working folder, virtual environment) is bound at the same path, so the shim, checkpoints, "
+             "signals and requeue work as outside."]
+    if runtime.name == "charliecloud":
+        lines.append('export USER="${USER:-$(id -un)}"  # ch-run refuses to start without $USER')
+    lines += [f"export {k}={shell_quote(v)}" for k, v in runtime.exports()]
+    return lines
 
 
 def stepwatch_args(job: ResolvedJob) -> list[str]:

@@ -32,15 +32,33 @@ CASES = {
 }
 
 
-def render(profile, resources, run_dir=RUN_DIR, name="demo", checkpoint=None):
+#: issue 30: containers (Apptainer and Pyxis are checked only here and by bash -n: neither installs on Debian 12).
+#: The venv's paths are given (the login side fills them in from its own venv at submission).
+CONTAINER_CASES = {
+    "cyclone_apptainer_2nodes": ("cyclone", {"partition": "gpu", "nodes": 2, "account": "p163"}, {
+        "runtime": "apptainer", "image": "/cluster/images/pytorch 24.sif", "binds": ["/cluster/datasets"],
+        "pythonpath": ["/opt/venv/lib/python3.11/site-packages", "/home/u/cyclone_kit"]},
+        {"dataset": "cifar10", "data_dir": "/cluster/datasets/cifar10"}),
+    "cyclone_pyxis_torchrun_2nodes": ("cyclone", {"partition": "gpu", "nodes": 2, "launcher": "torchrun"}, {
+        "runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.05-py3", "binds": ["/cluster/datasets:/data"],
+        "pythonpath": ["/opt/venv/lib/python3.11/site-packages"]}, None),
+}
+
+
+def render(profile, resources, run_dir=RUN_DIR, name="demo", checkpoint=None, container=None, train=None):
     spec = spec_from_dict({"name": name, "resources": {"profile": profile, **resources},
-                           "checkpoint": checkpoint or {}})
+                           "checkpoint": checkpoint or {}, **({"container": container} if container else {}),
+                           **({"train": train} if train else {})})
     return render_script(resolve(spec, load_profile(profile)), run_dir, python=PY, environ=NO_USER_TEMPLATES)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(CONTAINER_CASES))
 def test_golden(case):
-    text = render(*CASES[case])
+    if case in CONTAINER_CASES:
+        profile, resources, container, train = CONTAINER_CASES[case]
+        text = render(profile, resources, container=container, train=train)
+    else:
+        text = render(*CASES[case])
     path = GOLDEN / f"{case}.sbatch"
     if os.environ.get("CK_REGEN_GOLDEN"):
         path.write_text(text)
