@@ -15,8 +15,10 @@ the launcher's rules stay its own, only the rank's command runs inside the image
   ``--container-image=IMAGE --container-mounts=SRC:DST,...`` (a ``.sqsh`` file or a registry
   reference such as ``nvcr.io#nvidia/pytorch:24.05-py3``).
 
-The environment a rank needs inside (``PYTHONPATH`` to the job's own virtual environment) is passed
-as each runtime requires: ``--set-env`` (ch-run), ``--env`` (apptainer) or srun's environment (pyxis).
+The ranks' own variables (:data:`RANK_ENV`: requeue through the step watcher, as the image has no
+``scontrol``) are passed as each runtime requires: ``--set-env`` (ch-run), ``--env`` (apptainer),
+srun's ``--export=ALL,...`` (pyxis); the rest of the job's environment (Slurm's, ``PYTHONPATH`` to
+the job's own virtual environment, exported by the batch script) passes through as it is.
 Every path is bound at the same path inside, so the rank side is the same in the container as
 outside: the run directory, the shim, the script's snapshot, signals (ch-run and the srun task exec
 the command; apptainer's starter forwards signals) and requeue.
@@ -30,6 +32,12 @@ from pathlib import PurePosixPath
 from typing import Protocol
 
 from cyclone_kit.core.errors import ValidationError
+
+#: A container has no ``scontrol``: its ranks ask the step watcher, outside, to requeue the job
+#: (:func:`cyclone_kit.runtime.signals.requeue`); every runtime passes this variable to the ranks only.
+REQUEUE_BY_VARIABLE = "CYCLONE_REQUEUE_BY"
+REQUEUE_BY_STEPWATCH = "stepwatch"
+RANK_ENV = ((REQUEUE_BY_VARIABLE, REQUEUE_BY_STEPWATCH),)
 
 #: Top-level folders of an image that a bind must never cover (the image's own system).
 SYSTEM_FOLDERS = frozenset({"/", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/usr", "/etc", "/proc", "/sys", "/dev",
@@ -125,10 +133,6 @@ class ContainerRuntime(Protocol):
         """Options of the job's ``srun`` (pyxis's ``--container-image`` ...); none for the others."""
         ...
 
-    def exports(self) -> tuple[tuple[str, str], ...]:
-        """Variables the batch script exports for the ranks (pyxis: srun passes them into the container)."""
-        ...
-
 
 @dataclass(frozen=True)
 class Charliecloud:
@@ -152,10 +156,6 @@ class Charliecloud:
 
     def srun_options(self) -> tuple[str, ...]:
         """None."""
-        return ()
-
-    def exports(self) -> tuple[tuple[str, str], ...]:
-        """None (``--set-env`` carries them)."""
         return ()
 
 
@@ -188,10 +188,6 @@ class Apptainer:
         """None."""
         return ()
 
-    def exports(self) -> tuple[tuple[str, str], ...]:
-        """None (``--env`` carries them)."""
-        return ()
-
 
 @dataclass(frozen=True)
 class Pyxis:
@@ -204,21 +200,22 @@ class Pyxis:
 
     def __post_init__(self) -> None:
         _no_separators("pyxis", [p for b in self.binds for p in (b.source, b.target)], ":,")
+        _no_separators("srun --export", [v for _, v in self.env], ",")
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
         """``argv`` itself: srun's options put it in the container."""
         return list(argv)
 
     def srun_options(self) -> tuple[str, ...]:
-        """``--container-image=IMAGE``, ``--container-mounts=SRC:DST,...`` and ``--no-container-mount-home``."""
+        """``--container-image=IMAGE``, ``--container-mounts=SRC:DST,...``, ``--no-container-mount-home`` and
+        ``--export=ALL,K=V,...`` for the ranks' own variables."""
         opts = [f"--container-image={self.image}"]
         if self.binds:
             opts.append("--container-mounts=" + ",".join(f"{b.source}:{b.target}" for b in self.binds))
-        return (*opts, "--no-container-mount-home")
-
-    def exports(self) -> tuple[tuple[str, str], ...]:
-        """The environment, exported for srun (which passes it into the container)."""
-        return self.env
+        opts.append("--no-container-mount-home")
+        if self.env:
+            opts.append("--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in self.env)]))
+        return tuple(opts)
 
 
 @dataclass(frozen=True)

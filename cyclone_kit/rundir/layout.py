@@ -64,6 +64,7 @@ SUBMITTED_FILE = "submitted.json"
 REPORT_SCRIPT_FILE = "report.sbatch"
 REPORT_DIR = "report"
 CANCEL_FILE = "cancel_requested"
+REQUEUE_REQUEST_FILE = "requeue_requested"  # a rank in a container asks the step watcher to requeue (no scontrol there)
 USER_SCRIPT_DIR = "script"  # the copy of a user's training script (cyclone_kit/script.py)
 SHIM_FILE = "shim.jsonl"  # the launch shim's start/end records (cyclone_kit/launch.py)
 NETWORK_FILE = "network.json"  # doctor's all-reduce figures per network level (cyclone_kit/rundir/network.py)
@@ -277,6 +278,24 @@ class RunDir:
         """True when the user cancelled the job this run directory records (a later resubmission is not)."""
         cancelled = _read_line(self.cancel_file)
         return cancelled is not None and cancelled == self.job_id()
+
+    @property
+    def requeue_request(self) -> Path:
+        """``requeue_requested``: the job id a rank asked the step watcher to requeue (a rank in a container,
+        which has no ``scontrol``: :func:`cyclone_kit.runtime.signals.requeue`)."""
+        return self.path / REQUEUE_REQUEST_FILE
+
+    def write_requeue_request(self, job_id: str) -> None:
+        """Ask the step watcher, outside the container, to requeue job ``job_id`` when the step has ended."""
+        write_atomic(self.requeue_request, f"{job_id}\n")
+
+    def take_requeue_request(self, job_id: str) -> bool:
+        """True (and the request removed) when a rank asked to requeue job ``job_id``; another job's is left."""
+        asked = _read_line(self.requeue_request)
+        if asked is None or asked != job_id:
+            return False
+        self.requeue_request.unlink(missing_ok=True)
+        return True
 
     def stop_status(self) -> str:
         """The end status of a run stopped by a signal: ``cancelled`` after a user's cancel, else ``preempted``."""

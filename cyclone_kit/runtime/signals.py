@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any
 
 from cyclone_kit.launchers import LOCAL
+from cyclone_kit.launchers.containers import REQUEUE_BY_STEPWATCH, REQUEUE_BY_VARIABLE
 
 #: Flag values, ordered so that the MAX reduce lets a requeue request win over a plain stop.
 NONE, STOP, REQUEUE = 0, 1, 2
@@ -178,6 +179,9 @@ def should_requeue(agreed: int, requeue_enabled: bool, restart_count: int, max_r
 def requeue(environ: Mapping[str, str]) -> str:
     """Run ``scontrol requeue`` for this job (array task ids as ARRAYJOBID_TASKID); returns the id.
 
+    In a container (``CYCLONE_REQUEUE_BY=stepwatch``) the request goes into the run directory instead,
+    and the step watcher requeues when the step has ended (:func:`cyclone_kit.runtime.stepwatch.watch`).
+
     Raises:
         CommandError: scontrol failed or timed out.
     """
@@ -186,6 +190,13 @@ def requeue(environ: Mapping[str, str]) -> str:
     from cyclone_kit.slurm.env import requeue_target
 
     target = requeue_target(environ)
+    if environ.get(REQUEUE_BY_VARIABLE) == REQUEUE_BY_STEPWATCH and environ.get("CYCLONE_RUN_DIR"):
+        from cyclone_kit.rundir.layout import RunDir
+
+        RunDir(environ["CYCLONE_RUN_DIR"]).write_requeue_request(target)
+        sys.stderr.write(f"cyclone_kit: asked the step watcher to requeue Slurm job {target} when the step ends "
+                         "(a container has no scontrol)\n")
+        return target
     run_command(scontrol_requeue(target), timeout=60)
     sys.stderr.write(f"cyclone_kit: requeued Slurm job {target}\n")
     return target

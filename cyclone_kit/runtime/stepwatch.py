@@ -262,6 +262,29 @@ def _requeue(environ: Mapping[str, str], run_dir: Path, cause: str) -> bool:
     return True
 
 
+def _requeue_asked(environ: Mapping[str, str], run_dir: Path) -> bool:
+    """Requeue the job a rank in a container asked to requeue (it has no ``scontrol``); True when requeued."""
+    from cyclone_kit.core.errors import CycloneError
+    from cyclone_kit.launchers.containers import REQUEUE_BY_VARIABLE
+    from cyclone_kit.rundir.layout import RunDir
+    from cyclone_kit.runtime.signals import requeue
+    from cyclone_kit.slurm.env import requeue_target
+
+    try:
+        target = requeue_target(environ)
+    except CycloneError:
+        return False
+    if not RunDir(run_dir).take_requeue_request(target):
+        return False
+    _say(f"the step ended; a rank asked for a requeue of job {target} (from a container): requeueing")
+    try:
+        requeue({k: v for k, v in environ.items() if k != REQUEUE_BY_VARIABLE})
+    except CycloneError as e:
+        _say(f"requeue failed: {e}")
+        return False
+    return True
+
+
 def _checkpoint_table(run_dir: Path) -> dict[str, Any]:
     from cyclone_kit.rundir.layout import RunDir
 
@@ -449,6 +472,8 @@ def watch(argv: Sequence[str], run_dir: Path, environ: Mapping[str, str] | None 
                          poll_s, restarts=policy is not None)
         if step.terminated:
             return step.code
+        if step.code == 0 and job and _requeue_asked(base, run_dir):
+            return 0
         if step.code != 0 and step.cause in REQUEUE_CAUSES and job and policy is not None:
             plan, why = _plan_restart(policy, attempt, allocation, current, bad, step, job)
             if plan is not None:

@@ -25,7 +25,7 @@ from cyclone_kit.core.malloc import GLIBC_TUNABLES
 from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN  # the templates' MASTER_PORT range (cyclone_kit.core.ports)
 from cyclone_kit.core.version import __version__
 from cyclone_kit.launchers import Launcher, Wrapped
-from cyclone_kit.launchers.containers import ContainerRuntime, job_binds, make_runtime
+from cyclone_kit.launchers.containers import RANK_ENV, ContainerRuntime, job_binds, make_runtime
 from cyclone_kit.rundir.entry import rank_words
 from cyclone_kit.rundir.layout import RunDir, StudyDir
 
@@ -165,9 +165,8 @@ def container_runtime(job: ResolvedJob, run_dir: Path | str) -> ContainerRuntime
     box = job.spec.container
     if box is None:
         return None
-    env = (("PYTHONPATH", ":".join(box.pythonpath)),) if box.pythonpath else ()
     binds = job_binds(box.runtime, container_paths(job.spec, run_dir), box.bind_list)
-    return make_runtime(box.runtime, box.image, binds, env, gpus=bool(job.gpus_per_node))
+    return make_runtime(box.runtime, box.image, binds, RANK_ENV, gpus=bool(job.gpus_per_node))
 
 
 def container_lines(job: ResolvedJob, runtime: ContainerRuntime | None) -> list[str]:
@@ -181,7 +180,9 @@ def container_lines(job: ResolvedJob, runtime: ContainerRuntime | None) -> list[
              "signals and requeue work as outside."]
     if runtime.name == "charliecloud":
         lines.append('export USER="${USER:-$(id -un)}"  # ch-run refuses to start without $USER')
-    lines += [f"export {k}={shell_quote(v)}" for k, v in runtime.exports()]
+    box = job.spec.container
+    if box is not None and box.pythonpath:  # this venv (and project) in the image's python, before any of the job's
+        lines.append(f'export PYTHONPATH={shell_quote(":".join(box.pythonpath))}"${{PYTHONPATH:+:$PYTHONPATH}}"')
     return lines
 
 

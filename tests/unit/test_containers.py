@@ -36,7 +36,7 @@ def test_charliecloud_binds_sets_env_and_separates_the_command():
     ch = Charliecloud("/img", (Bind("/tmp", "/tmp"), Bind("/data", "/mnt/data")), (("PYTHONPATH", "/v/site"),))
     assert ch.wrap(["python3", "-m", "x"]) == ["ch-run", "-b", "/tmp", "-b", "/data:/mnt/data",
                                                 "--set-env=PYTHONPATH=/v/site", "/img", "--", "python3", "-m", "x"]
-    assert ch.srun_options() == () and ch.exports() == ()
+    assert ch.srun_options() == ()
 
 
 def test_apptainer_adds_nv_only_on_gpu_nodes():
@@ -50,8 +50,9 @@ def test_pyxis_leaves_the_command_and_gives_srun_the_container():
     px = Pyxis("nvcr.io#nvidia/pytorch:24.05-py3", (Bind("/r", "/r"), Bind("/d", "/data")), (("A", "1"),))
     assert px.wrap(["python3", "x"]) == ["python3", "x"]
     assert px.srun_options() == ("--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
-                                 "--container-mounts=/r:/r,/d:/data", "--no-container-mount-home")
-    assert px.exports() == (("A", "1"),)
+                                 "--container-mounts=/r:/r,/d:/data", "--no-container-mount-home", "--export=ALL,A=1")
+    with pytest.raises(ValidationError, match="srun --export"):
+        Pyxis("x#y", (), (("A", "1,2"),))
 
 
 def test_wrapped_launcher_runs_its_command_inside_and_keeps_its_rules():
@@ -201,9 +202,23 @@ def test_hostile_run_dir_is_one_word_in_the_containers_command():
     text = render_script(resolve(spec, load_profile("local")), run_dir, python=PY, environ=NO_USER_TEMPLATES)
     line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("ch-run"))
     words = shlex.split(line)
-    assert words[:8] == ["ch-run", "-b", "/tmp", "-b", "/w", "--set-env=PYTHONPATH=/w/site", "/img dir/x", "--"]
+    assert words[:8] == ["ch-run", "-b", "/tmp", "-b", "/w", "--set-env=CYCLONE_REQUEUE_BY=stepwatch", "/img dir/x", "--"]
     assert words[8:] == ["python3", "-m", "cyclone_kit.runtime", "--run-dir", run_dir]
     assert 'export USER="${USER:-$(id -un)}"' in text
+    assert 'export PYTHONPATH=/w/site"${PYTHONPATH:+:$PYTHONPATH}"' in text  # before the job's own (a sitecustomize)
+
+
+# ------------------------------------------------------------------ requeue from a container: through the step watcher
+def test_a_rank_in_a_container_asks_the_step_watcher_to_requeue(tmp_path, capsys):
+    from cyclone_kit.rundir.layout import RunDir
+    from cyclone_kit.runtime.signals import requeue
+
+    environ = {"SLURM_JOB_ID": "42", "CYCLONE_RUN_DIR": str(tmp_path), "CYCLONE_REQUEUE_BY": "stepwatch"}
+    assert requeue(environ) == "42"
+    assert "asked the step watcher to requeue Slurm job 42" in capsys.readouterr().err
+    rd = RunDir(tmp_path)
+    assert not rd.take_requeue_request("41")  # another job's request is not this one's
+    assert rd.take_requeue_request("42") and not rd.take_requeue_request("42")  # taken once
 
 
 def test_no_container_no_container_words():
