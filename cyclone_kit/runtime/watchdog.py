@@ -37,6 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from cyclone_kit.launchers import LOCAL
 from cyclone_kit.rundir.failures import (
     death_line,
     death_record,
@@ -68,7 +69,7 @@ def wanted(environ: Mapping[str, str]) -> bool:
         return False
     if switch in ("1", "true", "yes", "on"):
         return True
-    if environ.get("CYCLONE_LAUNCHER") == "local":
+    if LOCAL.started(environ):
         return False
     return bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_ARRAY_JOB_ID"))
 

@@ -43,9 +43,8 @@ ROOT_MODULES = {"__init__", "__main__", "api", "launch", "ports", "doctor_probe"
 ALIASES = {"launch", "ports", "doctor_probe"}
 #: The launcher registry: the only package that compares a launcher's name (the others ask it).
 LAUNCHER_REGISTRY = "launchers"
-#: Modules the launcher-name rule does not cover yet: runtime/watchdog.py asks CYCLONE_LAUNCHER == "local"
-#: itself (another change is rewriting it; LOCAL.started(environ) is the registry's answer).
-LAUNCHER_RULE_PENDING = {"cyclone_kit.runtime.watchdog"}
+#: Modules the launcher-name rule does not cover yet (none: runtime/watchdog.py asks LOCAL.started(environ)).
+LAUNCHER_RULE_PENDING: set[str] = set()
 
 
 @dataclass(frozen=True)

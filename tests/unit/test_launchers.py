@@ -89,3 +89,17 @@ def test_a_container_wraps_the_rank_command_and_keeps_every_other_rule() -> None
     assert wrapped.rank_command(["python", "x.py"]) == ["ch-run", "IMAGE", "--", "python", "x.py"]
     assert wrapped.template == TORCHRUN.template and wrapped.procs_per_node(1, 4, None) == 4
     assert wrapped.restart_error(1, 0, 2) is not None and not wrapped.in_job_restarts
+
+
+@pytest.mark.parametrize(("environ", "wanted"), [
+    ({"SLURM_JOB_ID": "7"}, True),                                   # a rank of a real Slurm job
+    ({"SLURM_JOB_ID": "7", "CYCLONE_LAUNCHER": "local"}, False),     # the local launcher watches its ranks itself
+    ({"SLURM_JOB_ID": "7", "CYCLONE_LAUNCHER": "srun"}, True),
+    ({}, False),
+    ({"CYCLONE_LAUNCHER": "local", "CYCLONE_WATCHDOG": "1"}, True),  # switched on by hand
+    ({"SLURM_JOB_ID": "7", "CYCLONE_WATCHDOG": "0"}, False),
+])
+def test_the_rank_watchdog_runs_in_slurm_jobs_but_not_under_the_local_launcher(environ, wanted):
+    from cyclone_kit.runtime import watchdog
+
+    assert watchdog.wanted(environ) is wanted
