@@ -459,6 +459,9 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
                            t_start=t_start, group_for_one=True)
     session.max_nonfinite_steps = tc.max_nonfinite_steps
     device = session.device
+    refused = torchcompat.pipeline_schedule_refusal(lay.schedule, device.kind, torch.__version__)
+    if refused is not None:  # before any collective: every rank stops here with the same line
+        raise ValidationError(refused[0], hint=refused[1])
     dev = torch.device(device.torch_device)
     configure_backends(tc, device.kind)
     channels_last = tc.channels_last and device.kind == "cuda"

@@ -13,6 +13,12 @@ The code uses three APIs newer than 2.6 (checked against the released wheels' so
 One is not optional: FSDP2 on the CPU (gloo) needs ``torch.cpu.Stream.record_event`` (torch 2.7); under
 torch 2.6 its first all-gather raises AttributeError, so ``train.strategy=fsdp`` on the CPU is refused
 before training (:func:`fsdp_cpu_refusal`). FSDP on GPUs has CUDA streams and is not affected.
+
+The 1F1B schedules are refused where they were seen to hang: ``train.pipeline_schedule=1f1b`` on gloo (the
+CPU) under torch 2.6.0 hangs in its first step, every stage waiting in the schedule's batched send/receive
+(2 stages, 1 and 2 replicas; ``interleaved_1f1b`` too; ``gpipe`` completes on the same torch), while torch
+2.13 and 2.14 complete both. The releases between were not run, so the refusal covers torch < 2.13 on gloo
+(:func:`pipeline_schedule_refusal`); NCCL (GPUs) is not refused.
 """
 
 from __future__ import annotations
@@ -70,3 +76,26 @@ def fsdp_cpu_refusal(version: str) -> tuple[str, str]:
     return (f"train.strategy=fsdp on the CPU needs torch >= 2.7: torch {version}'s FSDP2 records events on CPU "
             "streams, which have no record_event there (AttributeError at the first all-gather)",
             "install torch>=2.7, or use train.strategy=ddp on the CPU (FSDP on GPUs works with this torch)")
+
+
+#: The oldest torch whose 1F1B schedules were seen to complete on gloo (2.6.0 hangs; 2.7-2.12 not run).
+GLOO_1F1B_SINCE = (2, 13)
+#: The schedules that hang on gloo under an older torch (``gpipe`` does not).
+GLOO_HANGING_SCHEDULES = ("1f1b", "interleaved_1f1b")
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as ``2.6.0+cu124`` (pure)."""
+    major, minor, *_ = [*(int("".join(ch for ch in part if ch.isdigit()) or 0)
+                          for part in version.split("+", 1)[0].split(".")), 0, 0]
+    return major, minor
+
+
+def pipeline_schedule_refusal(schedule: str, device_kind: str, version: str) -> tuple[str, str] | None:
+    """(error, hint) when ``schedule`` would hang on this device's backend under torch ``version``, else None."""
+    if device_kind != "cpu" or schedule not in GLOO_HANGING_SCHEDULES or _release(version) >= GLOO_1F1B_SINCE:
+        return None
+    since = ".".join(map(str, GLOO_1F1B_SINCE))
+    return (f"train.pipeline_schedule={schedule} on the CPU (gloo) hangs in its first step under torch {version} "
+            f"(seen with 2.6.0; it completes from torch {since})",
+            f"use --set train.pipeline_schedule=gpipe, or install torch>={since} (GPUs with NCCL are not affected)")

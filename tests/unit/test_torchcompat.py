@@ -97,3 +97,25 @@ def test_fsdp_on_the_cpu_needs_cpu_streams_that_record_events() -> None:
     assert "train.strategy=ddp" in hint
     if torch.__version__ >= "2.7":
         assert torchcompat.fsdp_runs_on_cpu(torch.cpu.Stream)
+
+
+@pytest.mark.parametrize(("schedule", "device", "version", "refused"), [
+    ("1f1b", "cpu", "2.6.0+cu124", True),         # seen hanging in its first step on gloo
+    ("interleaved_1f1b", "cpu", "2.12.1", True),  # not run between 2.6 and 2.13: refused, with the way out
+    ("1f1b", "cpu", "2.13.0+cpu", False),         # seen completing
+    ("1f1b", "cpu", "2.14.1", False),
+    ("gpipe", "cpu", "2.6.0", False),             # completes on 2.6 too
+    ("1f1b", "cuda", "2.6.0", False),             # NCCL is not refused
+])
+def test_a_1f1b_schedule_that_hangs_on_gloo_under_an_old_torch_is_refused(schedule, device, version, refused):
+    answer = torchcompat.pipeline_schedule_refusal(schedule, device, version)
+    assert (answer is not None) is refused
+    if answer is not None:
+        error, hint = answer
+        assert error.startswith(f"train.pipeline_schedule={schedule} on the CPU (gloo) hangs") and version in error
+        assert "train.pipeline_schedule=gpipe" in hint and "torch>=2.13" in hint
+
+
+def test_this_torch_runs_the_1f1b_schedule_on_gloo_if_it_is_recent_enough():
+    assert (torchcompat.pipeline_schedule_refusal("1f1b", "cpu", torch.__version__) is None) == (
+        torch.__version__ >= "2.13")
