@@ -136,22 +136,26 @@ class ContainerRuntime(Protocol):
 
 @dataclass(frozen=True)
 class Charliecloud:
-    """``ch-run``: every bind by its top-level folder (see the module's note), the environment by ``--set-env``."""
+    """``ch-run``: every bind by its top-level folder (see the module's note), the environment by ``--set-env``,
+    the working folder by ``--cd`` (ch-run starts in ``/`` otherwise, not in the folder it was started in)."""
 
     image: str
     binds: tuple[Bind, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    cwd: str = ""
     name: str = "charliecloud"
 
     def __post_init__(self) -> None:
         _no_separators("ch-run", [p for b in self.binds for p in (b.source, b.target)], ":")
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
-        """``ch-run -b DIR ... --set-env=K=V ... IMAGE -- argv``."""
+        """``ch-run -b DIR ... --set-env=K=V ... [--cd=DIR] IMAGE -- argv``."""
         words = ["ch-run"]
         for b in self.binds:
             words += ["-b", b.spec]
         words += [f"--set-env={k}={v}" for k, v in self.env]
+        if self.cwd:
+            words.append(f"--cd={self.cwd}")
         return [*words, self.image, "--", *argv]
 
     def srun_options(self) -> tuple[str, ...]:
@@ -295,8 +299,9 @@ def missing_runtime_error(runtime: str, partition: str) -> ValidationError:
 
 
 def make_runtime(runtime: str, image: str, binds: Sequence[Bind], env: Sequence[tuple[str, str]] = (), *,
-                 gpus: bool = False) -> ContainerRuntime:
-    """The wrapper of ``runtime`` for ``image`` with ``binds`` and ``env`` (pure).
+                 gpus: bool = False, cwd: str = "") -> ContainerRuntime:
+    """The wrapper of ``runtime`` for ``image`` with ``binds`` and ``env`` (pure); ``cwd``: the ranks' working
+    folder where the runtime does not keep the one it starts in (Charliecloud).
 
     Raises:
         ValidationError: an unknown runtime, or a path a runtime's bind list cannot carry.
@@ -304,7 +309,7 @@ def make_runtime(runtime: str, image: str, binds: Sequence[Bind], env: Sequence[
     if runtime not in RUNTIMES:
         raise ValidationError(f"unknown container runtime {runtime!r}", hint=f"use one of: {', '.join(RUNTIMES)}")
     if runtime == "charliecloud":
-        return Charliecloud(image, tuple(binds), tuple(env))
+        return Charliecloud(image, tuple(binds), tuple(env), cwd=cwd)
     if runtime in ("apptainer", "singularity"):
         return Apptainer(image, tuple(binds), tuple(env), gpus=gpus, binary=RUNTIMES[runtime].binary, name=runtime)
     return Pyxis(image, tuple(binds), tuple(env))

@@ -166,7 +166,9 @@ def container_runtime(job: ResolvedJob, run_dir: Path | str) -> ContainerRuntime
     if box is None:
         return None
     binds = job_binds(box.runtime, container_paths(job.spec, run_dir), box.bind_list)
-    return make_runtime(box.runtime, box.image, binds, RANK_ENV, gpus=bool(job.gpus_per_node))
+    # the ranks' working folder: a script's (script.chdir, where the batch script cds), else the run directory
+    cwd = job.spec.script.chdir if job.spec.script is not None and job.spec.script.chdir else str(run_dir)
+    return make_runtime(box.runtime, box.image, binds, RANK_ENV, gpus=bool(job.gpus_per_node), cwd=cwd)
 
 
 def container_lines(job: ResolvedJob, runtime: ContainerRuntime | None) -> list[str]:
@@ -181,8 +183,8 @@ def container_lines(job: ResolvedJob, runtime: ContainerRuntime | None) -> list[
     if runtime.name == "charliecloud":
         lines.append('export USER="${USER:-$(id -un)}"  # ch-run refuses to start without $USER')
     box = job.spec.container
-    if box is not None and box.pythonpath:  # this venv (and project) in the image's python, before any of the job's
-        lines.append(f'export PYTHONPATH={shell_quote(":".join(box.pythonpath))}"${{PYTHONPATH:+:$PYTHONPATH}}"')
+    if box is not None and box.pythonpath:  # this venv (and project) for the image's python, after the job's own entries
+        lines.append(f'export PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}"{shell_quote(":".join(box.pythonpath))}')
     return lines
 
 

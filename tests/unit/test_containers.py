@@ -33,9 +33,11 @@ NO_USER_TEMPLATES = {"CYCLONE_KIT_TEMPLATES": "/nonexistent"}
 
 # ------------------------------------------------------------------ the runtimes' words
 def test_charliecloud_binds_sets_env_and_separates_the_command():
-    ch = Charliecloud("/img", (Bind("/tmp", "/tmp"), Bind("/data", "/mnt/data")), (("PYTHONPATH", "/v/site"),))
+    ch = Charliecloud("/img", (Bind("/tmp", "/tmp"), Bind("/data", "/mnt/data")), (("PYTHONPATH", "/v/site"),),
+                      cwd="/tmp/proj")
     assert ch.wrap(["python3", "-m", "x"]) == ["ch-run", "-b", "/tmp", "-b", "/data:/mnt/data",
-                                                "--set-env=PYTHONPATH=/v/site", "/img", "--", "python3", "-m", "x"]
+                                                "--set-env=PYTHONPATH=/v/site", "--cd=/tmp/proj", "/img", "--",
+                                                "python3", "-m", "x"]
     assert ch.srun_options() == ()
 
 
@@ -202,10 +204,11 @@ def test_hostile_run_dir_is_one_word_in_the_containers_command():
     text = render_script(resolve(spec, load_profile("local")), run_dir, python=PY, environ=NO_USER_TEMPLATES)
     line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("ch-run"))
     words = shlex.split(line)
-    assert words[:8] == ["ch-run", "-b", "/tmp", "-b", "/w", "--set-env=CYCLONE_REQUEUE_BY=stepwatch", "/img dir/x", "--"]
-    assert words[8:] == ["python3", "-m", "cyclone_kit.runtime", "--run-dir", run_dir]
+    assert words[:9] == ["ch-run", "-b", "/tmp", "-b", "/w", "--set-env=CYCLONE_REQUEUE_BY=stepwatch",
+                         f"--cd={run_dir}", "/img dir/x", "--"]
+    assert words[9:] == ["python3", "-m", "cyclone_kit.runtime", "--run-dir", run_dir]
     assert 'export USER="${USER:-$(id -un)}"' in text
-    assert 'export PYTHONPATH=/w/site"${PYTHONPATH:+:$PYTHONPATH}"' in text  # before the job's own (a sitecustomize)
+    assert 'export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}"/w/site' in text  # after the job's own, as site-packages
 
 
 # ------------------------------------------------------------------ requeue from a container: through the step watcher
