@@ -431,6 +431,17 @@ def check_python(job: ResolvedJob, result: SmokeResult, host: HostVersions) -> C
                      "runs on the compute nodes")
     versions = {str(r.get("python")) for r in result.reports}
     exes = sorted({str(r.get("executable")) for r in result.reports})
+    box = job.spec.container
+    if box is not None:  # the image's own python: with the job's venv bound in, the same minor version
+        minors = {".".join(v.split(".")[:2]) for v in versions}
+        mine = ".".join(host.python.split(".")[:2])
+        if box.host_venv and minors != {mine}:
+            return Check("python", False, f"the {box.runtime} image runs python {', '.join(sorted(versions))}, the "
+                         f"submit host's venv {host.python}: its compiled packages (torch) need python {mine}",
+                         f"use an image with python {mine} (container.python names it), or an image with its own "
+                         "torch and cyclone_kit: container.host_venv = false")
+        return Check("python", True, f"python {', '.join(sorted(versions))} in the {box.runtime} image on "
+                     f"{len(result.reports)} ranks ({', '.join(exes)})")
     if versions != {host.python}:
         return Check("python", False, f"ranks run python {', '.join(sorted(versions))}, the submit host "
                      f"{host.python} ({', '.join(exes)})",
@@ -462,6 +473,50 @@ def check_torch_import(job: ResolvedJob, result: SmokeResult, host: HostVersions
                      "use the same environment on both sides (profile setup / python)")
     return Check("torch_import", True, f"torch {', '.join(versions)} on {len(result.reports)} ranks"
                  + ("" if host.torch else " (no torch on the submit host to compare with)"))
+
+
+#: how each runtime shows a node's GPUs to the container, for the hint of :func:`check_container`.
+_GPU_HINTS = {
+    "charliecloud": "inject the host's NVIDIA libraries into the image once: ch-fromhost --nvidia IMAGE",
+    "apptainer": "the job passes --nv; check the node's driver with `apptainer exec --nv IMAGE nvidia-smi`",
+    "singularity": "the job passes --nv; check the node's driver with `singularity exec --nv IMAGE nvidia-smi`",
+    "pyxis": "enroot's NVIDIA hook must be enabled on the nodes (ENROOT_... hooks/98-nvidia.sh); ask the admins",
+}
+
+
+def check_container(job: ResolvedJob, result: SmokeResult) -> Check:
+    """The container image runs on every rank, ``import torch`` works inside it, and torch there sees the
+    GPUs where the partition has them (pure; ``not checked`` for a job without a container)."""
+    box = job.spec.container
+    if box is None:
+        return _not_checked("container", "no container")
+    where = f"{box.runtime} image {box.image}"
+    missing = _missing_ranks(job, result)
+    if missing:
+        cause = error_line(result.stderr) or "no error output"
+        return Check("container", False, f"the {where} did not start on rank(s) {_short(missing)}: {cause}",
+                     f"check the runtime and the image on a compute node: srun -N1 -p {job.partition.name} "
+                     f"{'ch-run IMAGE -- ' if box.runtime == 'charliecloud' else ''}{box.python} -c 'import torch' "
+                     "(see the job's .err log for the runtime's own message)")
+    outside = [_rank_of(r) for r in result.reports if r.get("container") != box.runtime]
+    if outside:
+        return Check("container", False, f"rank(s) {_short(outside)} did not run in the {where}",
+                     "a user template that drops the container's words? remove it, or render with the packaged one")
+    failed = [(_rank_of(r), r.get("torch", {}).get("error", "never finished")) for r in result.reports
+              if not r.get("torch", {}).get("ok")]
+    if failed:
+        return Check("container", False, f"import torch failed in the {where} on rank(s) "
+                     f"{_short([r for r, _ in failed])}: {failed[0][1]}",
+                     "bind the job's venv in (container.host_venv = true, an image python of the venv's minor "
+                     "version) or install torch in the image")
+    gpus = sorted({int(r["torch"].get("cuda_device_count", 0)) for r in result.reports})
+    if job.gpus_per_node and 0 in gpus:
+        blind = [_rank_of(r) for r in result.reports if not int(r["torch"].get("cuda_device_count", 0))]
+        return Check("container", False, f"torch in the {where} sees no GPU on rank(s) {_short(blind)} of a "
+                     f"partition with {job.gpus_per_node} per node", _GPU_HINTS.get(box.runtime, ""))
+    torch = sorted({str(r["torch"].get("version")) for r in result.reports})
+    seen = f", {'/'.join(map(str, gpus))} GPU(s) per rank" if job.gpus_per_node else ""
+    return Check("container", True, f"{where} runs on {len(result.reports)} ranks: torch {', '.join(torch)}{seen}")
 
 
 def same_version(a: str, b: str) -> bool:
@@ -676,6 +731,7 @@ def live_checks(job: ResolvedJob, result: SmokeResult, host: HostVersions,
         return [check_smoke_job(job, result)]
     return [
         check_smoke_job(job, result),
+        *([check_container(job, result)] if job.spec.container is not None else []),
         check_python(job, result, host),
         check_torch_import(job, result, host),
         check_gpus_per_task(job, result),

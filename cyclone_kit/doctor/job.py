@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cyclone_kit.config.container import ContainerConfig
 from cyclone_kit.config.job import CheckpointConfig, JobSpec, Resources
 from cyclone_kit.config.profile import load_profile
 from cyclone_kit.config.validate import ResolvedJob, resolve
@@ -57,6 +58,8 @@ class DoctorOptions:
         python: the interpreter for the job; ``None`` for the profile's, else this one.
         ntasks_per_node: tasks per node (``None``: one per GPU, one on CPU partitions); 2 or more
             also measure the network inside a node.
+        container: an image the smoke job's probes run in (``""``: the profile's default image, if any);
+            container_runtime: its runtime (``""``: the profile's).
     """
 
     profile: str
@@ -68,11 +71,14 @@ class DoctorOptions:
     static_only: bool = False
     python: str | None = None
     ntasks_per_node: int | None = None
+    container: str = ""
+    container_runtime: str = ""
 
 
 def doctor_request(profile: str, partition: str, nodes: int | None, account: str,
-                   ntasks_per_node: int | None = None) -> ResolvedJob:
-    """The smoke job's request: what ``submit`` would ask for on that profile and partition.
+                   ntasks_per_node: int | None = None, container: ContainerConfig | None = None) -> ResolvedJob:
+    """The smoke job's request: what ``submit`` would ask for on that profile and partition (in ``container``,
+    over the profile's ``[container]``).
 
     Raises:
         ValidationError: unknown profile or partition, or a request the profile cannot hold.
@@ -87,6 +93,7 @@ def doctor_request(profile: str, partition: str, nodes: int | None, account: str
                             ntasks_per_node=ntasks_per_node,
                             launcher=SRUN.name),
         checkpoint=CheckpointConfig(requeue=False, resume=False, every_steps=0),
+        container=container,
     )
     return resolve(spec, prof)
 
@@ -208,7 +215,14 @@ def run_doctor(options: DoctorOptions, *, environ: Mapping[str, str] | None = No
     from cyclone_kit.slurm.query import cluster_facts
 
     environ = os.environ if environ is None else environ
-    job = doctor_request(options.profile, options.partition, options.nodes, options.account, options.ntasks_per_node)
+    box = (ContainerConfig(runtime=options.container_runtime, image=options.container)
+           if options.container or options.container_runtime else None)
+    job = doctor_request(options.profile, options.partition, options.nodes, options.account, options.ntasks_per_node,
+                         box)
+    if job.spec.container is not None:  # the image, runtime and binds here, before the job (exit 2 when wrong)
+        from cyclone_kit.config.jobspec import check_container
+
+        job = check_container(job, options.runs_dir)
     user = environ.get("USER") or getpass.getuser()
     try:
         facts = cluster_facts(job.partition.name, user)

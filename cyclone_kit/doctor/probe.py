@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cyclone_kit.core.ports import can_bind
+from cyclone_kit.launchers.containers import CONTAINER_VARIABLE
 
 #: variables that choose the network interface or transport of gloo / NCCL / MPI.
 NET_VARS = (
@@ -152,6 +153,8 @@ def local_facts(environ: Mapping[str, str]) -> dict[str, Any]:
         "cpus": cpus,
         "master_addr": environ.get("MASTER_ADDR", ""),
         "master_port": environ.get("MASTER_PORT", ""),
+        # the container runtime this rank runs in, as its runtime passed it ('' outside one)
+        "container": environ.get(CONTAINER_VARIABLE, ""),
     }
 
 

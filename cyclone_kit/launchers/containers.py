@@ -15,7 +15,7 @@ the launcher's rules stay its own, only the rank's command runs inside the image
   ``--container-image=IMAGE --container-mounts=SRC:DST,...`` (a ``.sqsh`` file or a registry
   reference such as ``nvcr.io#nvidia/pytorch:24.05-py3``).
 
-The ranks' own variables (:data:`RANK_ENV`: requeue through the step watcher, as the image has no
+The ranks' own variables (:func:`rank_env`: the runtime's name, and requeue through the step watcher, as the image has no
 ``scontrol``) are passed as each runtime requires: ``--set-env`` (ch-run), ``--env`` (apptainer),
 srun's ``--export=ALL,...`` (pyxis); the rest of the job's environment (Slurm's, ``PYTHONPATH`` to
 the job's own virtual environment, exported by the batch script) passes through as it is.
@@ -37,7 +37,13 @@ from cyclone_kit.core.errors import ValidationError
 #: (:func:`cyclone_kit.runtime.signals.requeue`); every runtime passes this variable to the ranks only.
 REQUEUE_BY_VARIABLE = "CYCLONE_REQUEUE_BY"
 REQUEUE_BY_STEPWATCH = "stepwatch"
-RANK_ENV = ((REQUEUE_BY_VARIABLE, REQUEUE_BY_STEPWATCH),)
+#: The runtime a rank runs in, as its runtime passed it (doctor's probe reports it: the rank really ran inside).
+CONTAINER_VARIABLE = "CYCLONE_CONTAINER"
+
+
+def rank_env(runtime: str) -> tuple[tuple[str, str], ...]:
+    """The variables every runtime passes to a container job's ranks only (pure)."""
+    return ((REQUEUE_BY_VARIABLE, REQUEUE_BY_STEPWATCH), (CONTAINER_VARIABLE, runtime))
 
 #: Top-level folders of an image that a bind must never cover (the image's own system).
 SYSTEM_FOLDERS = frozenset({"/", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/usr", "/etc", "/proc", "/sys", "/dev",

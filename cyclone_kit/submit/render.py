@@ -25,7 +25,7 @@ from cyclone_kit.core.malloc import GLIBC_TUNABLES
 from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN  # the templates' MASTER_PORT range (cyclone_kit.core.ports)
 from cyclone_kit.core.version import __version__
 from cyclone_kit.launchers import Launcher, Wrapped
-from cyclone_kit.launchers.containers import RANK_ENV, ContainerRuntime, job_binds, make_runtime
+from cyclone_kit.launchers.containers import ContainerRuntime, job_binds, make_runtime, rank_env
 from cyclone_kit.rundir.entry import rank_words
 from cyclone_kit.rundir.layout import RunDir, StudyDir
 
@@ -168,7 +168,7 @@ def container_runtime(job: ResolvedJob, run_dir: Path | str) -> ContainerRuntime
     binds = job_binds(box.runtime, container_paths(job.spec, run_dir), box.bind_list)
     # the ranks' working folder: a script's (script.chdir, where the batch script cds), else the run directory
     cwd = job.spec.script.chdir if job.spec.script is not None and job.spec.script.chdir else str(run_dir)
-    return make_runtime(box.runtime, box.image, binds, RANK_ENV, gpus=bool(job.gpus_per_node), cwd=cwd)
+    return make_runtime(box.runtime, box.image, binds, rank_env(box.runtime), gpus=bool(job.gpus_per_node), cwd=cwd)
 
 
 def container_lines(job: ResolvedJob, runtime: ContainerRuntime | None) -> list[str]:

@@ -146,8 +146,8 @@ def test_engine_in_a_container_is_signalled_requeued_and_resumes(jobs: dict[str,
     assert f"a rank asked for a requeue of job {job_id} (from a container)" in logs, logs[-4000:]
     assert not (run_dir / "requeue_requested").exists() and not (run_dir / "failure.json").exists()
     text = (run_dir / "job.sbatch").read_text()
-    assert f"ch-run -b /tmp -b /{Path(sys.prefix).parts[1]} --set-env=CYCLONE_REQUEUE_BY=stepwatch --cd={run_dir} " \
-           f"{IMAGE} -- python3 -m cyclone_kit.runtime" in text, text
+    assert f"ch-run -b /tmp -b /{Path(sys.prefix).parts[1]} --set-env=CYCLONE_REQUEUE_BY=stepwatch " \
+           f"--set-env=CYCLONE_CONTAINER=charliecloud --cd={run_dir} {IMAGE} -- python3 -m cyclone_kit.runtime" in text, text
     spec = json.loads((run_dir / "spec.json").read_text())["container"]
     assert (spec["runtime"], spec["image"]) == ("charliecloud", str(IMAGE)) and spec["pythonpath"]
 
@@ -168,3 +168,16 @@ def test_a_script_in_a_container_runs_in_its_submit_folder_on_the_images_python(
     starts = [json.loads(line) for line in (run_dir / "shim.jsonl").read_text().splitlines() if '"start"' in line]
     assert starts and {s["restart_count"] for s in starts} == {0}
     assert "ch-run" in (run_dir / "job.sbatch").read_text() and f"cd {proj}" in (run_dir / "job.sbatch").read_text()
+
+
+def test_doctor_runs_its_probes_in_the_image(jobs: dict[str, Any], tmp_path: Path) -> None:
+    """``doctor --container``: the image starts on every rank, torch imports there (after the jobs: nodes free)."""
+    result = run_cli("doctor", "--profile", "local", "--partition", "cpu", "--container", str(IMAGE),
+                     "--container-runtime", "charliecloud", "--runs-dir", str(tmp_path / "runs"), "--json",
+                     cwd=tmp_path, timeout=300)
+    checks = {c["check"]: c for c in json.loads(result.stdout)}
+    print(f"doctor in the container: {checks['container']['detail']}")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert checks["container"]["ok"] is True and "runs on 2 ranks: torch" in checks["container"]["detail"]
+    assert checks["python"]["ok"] is True and "in the charliecloud image" in checks["python"]["detail"]
+    assert checks["bootstrap"]["ok"] is True and checks["allreduce"]["ok"] is True

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,9 @@ from cyclone_kit.config.job import spec_from_dict, spec_to_dict
 from cyclone_kit.config.profile import load_profile, profile_from_dict
 from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.doctor import checks as doctor
+from cyclone_kit.doctor.checks import HostVersions, SmokeResult
+from cyclone_kit.doctor.job import doctor_request
 from cyclone_kit.launchers import SRUN, Wrapped
 from cyclone_kit.launchers.containers import (
     Apptainer,
@@ -204,9 +209,10 @@ def test_hostile_run_dir_is_one_word_in_the_containers_command():
     text = render_script(resolve(spec, load_profile("local")), run_dir, python=PY, environ=NO_USER_TEMPLATES)
     line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("ch-run"))
     words = shlex.split(line)
-    assert words[:9] == ["ch-run", "-b", "/tmp", "-b", "/w", "--set-env=CYCLONE_REQUEUE_BY=stepwatch",
-                         f"--cd={run_dir}", "/img dir/x", "--"]
-    assert words[9:] == ["python3", "-m", "cyclone_kit.runtime", "--run-dir", run_dir]
+    assert words[:10] == ["ch-run", "-b", "/tmp", "-b", "/w", "--set-env=CYCLONE_REQUEUE_BY=stepwatch",
+                          "--set-env=CYCLONE_CONTAINER=charliecloud",
+                          f"--cd={run_dir}", "/img dir/x", "--"]
+    assert words[10:] == ["python3", "-m", "cyclone_kit.runtime", "--run-dir", run_dir]
     assert 'export USER="${USER:-$(id -un)}"' in text
     assert 'export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}"/w/site' in text  # after the job's own, as site-packages
 
@@ -228,3 +234,64 @@ def test_no_container_no_container_words():
     spec = spec_from_dict({"name": "c", "resources": {"profile": "local"}})
     text = render_script(resolve(spec, load_profile("local")), "/r", python=PY, environ=NO_USER_TEMPLATES)
     assert "ch-run" not in text and "container" not in text and f"    {PY} -m cyclone_kit.runtime" in text
+
+
+# ------------------------------------------------------------------ doctor: the image runs, imports torch, sees GPUs
+REPORTS = Path(__file__).parent / "doctor_reports"
+REPORTS_GPU = Path(__file__).parent / "doctor_reports_gpu"
+BOX = {"runtime": "charliecloud", "image": "/img", "pythonpath": ["/w/site"]}
+
+
+def _in_box(folder: Path, **changes: object) -> tuple[dict, ...]:
+    reports = [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
+    return tuple({**r, "container": "charliecloud", **changes} for r in reports)
+
+
+def _smoke(reports: tuple[dict, ...], stderr: str = "") -> SmokeResult:
+    return SmokeResult(job_id="7", state="COMPLETED", finished=True, reports=reports, stderr=stderr, run_dir="/r")
+
+
+CPU_BOX = doctor_request("local", "cpu", 2, "", container=ContainerConfig(**{**BOX, "pythonpath": ("/w/site",)}))
+GPU_BOX = doctor_request("cyclone", "gpu", 2, "p163", container=ContainerConfig(**{**BOX, "pythonpath": ("/w/site",)}))
+
+
+def test_doctor_passes_an_image_that_runs_and_imports_torch():
+    check = doctor.check_container(CPU_BOX, _smoke(_in_box(REPORTS)))
+    assert check.ok is True and check.detail.startswith("charliecloud image /img runs on 2 ranks: torch 2.14.1")
+    host = HostVersions(python="3.11.7", torch="2.14.1")
+    python = doctor.check_python(CPU_BOX, _smoke(_in_box(REPORTS, python="3.11.2")), host)
+    assert python.ok is True and "in the charliecloud image" in python.detail  # the image's own 3.11.x is fine
+    names = [c.check for c in doctor.live_checks(CPU_BOX, _smoke(_in_box(REPORTS)), host)]
+    assert names[:3] == ["smoke_job", "container", "python"]
+    assert "container" not in [c.check for c in doctor.live_checks(doctor_request("local", "cpu", 2, ""),
+                                                                      _smoke(_in_box(REPORTS)), host)]
+
+
+@pytest.mark.parametrize(("job", "reports", "stderr", "words", "hint"), [
+    ("cpu", "none", "ch-run[1]: error: can't execve(2): python3: No such file or directory (ch_core.c:1)\n",
+     "did not start on rank(s) 0-1: ch-run[1]: error: can't execve(2)", "srun -N1 -p cpu ch-run IMAGE -- python3"),
+    ("cpu", "outside", "", "rank(s) 0-1 did not run in the charliecloud image /img", "user template"),
+    ("cpu", "no-torch", "", "import torch failed in the charliecloud image /img on rank(s) 0-1: ModuleNotFoundError",
+     "container.host_venv"),
+    ("gpu", "blind", "", "torch in the charliecloud image /img sees no GPU on rank(s) 0-7 of a partition with 4",
+     "ch-fromhost --nvidia"),
+])
+def test_doctor_names_what_is_wrong_with_the_image(job, reports, stderr, words, hint):
+    chosen = {"none": (), "outside": _in_box(REPORTS, container=""),
+              "no-torch": _in_box(REPORTS, torch={"ok": False, "error": "ModuleNotFoundError: No module named 'torch'"}),
+              "blind": _in_box(REPORTS_GPU)}[reports]
+    check = doctor.check_container(CPU_BOX if job == "cpu" else GPU_BOX, _smoke(chosen, stderr))
+    assert check.ok is False and words in check.detail and hint in check.hint, check
+
+
+def test_doctor_refuses_an_image_python_of_another_minor_version():
+    check = doctor.check_python(CPU_BOX, _smoke(_in_box(REPORTS, python="3.12.1")), HostVersions("3.11.7", "2.14.1"))
+    assert check.ok is False and "need python 3.11" in check.detail and "host_venv = false" in check.hint
+
+
+def test_doctor_smoke_job_runs_its_probe_in_the_container():
+    text = render_script(CPU_BOX, "/tmp/runs/d", python=PY, template="doctor.sbatch.j2", environ=NO_USER_TEMPLATES,
+                         extra={"probe_timeout_s": 30, "probe_megabytes": 8, "probe_dir": "/tmp/runs/d/doctor"})
+    line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("ch-run"))
+    assert "--set-env=CYCLONE_CONTAINER=charliecloud" in line and line.strip().endswith(
+        "/img -- python3 -m cyclone_kit.doctor.probe --out /tmp/runs/d/doctor \\")
