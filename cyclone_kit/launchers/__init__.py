@@ -6,7 +6,9 @@ its batch script's launch block (the template it names), the words it adds to a 
 and the environment it gives the ranks. No module outside this package compares a launcher's
 name (tests/unit/test_architecture.py holds that); callers ask :func:`get_launcher` and use
 what the launcher says. A container runtime wraps a launcher's rank command
-(:class:`~cyclone_kit.launchers.registry.CommandWrapper`, :class:`~cyclone_kit.launchers.registry.Wrapped`).
+(:class:`~cyclone_kit.launchers.registry.CommandWrapper`, :class:`~cyclone_kit.launchers.registry.Wrapped`);
+the runtimes themselves (Charliecloud, Apptainer/Singularity, Enroot/Pyxis) are in
+:mod:`cyclone_kit.launchers.containers`.
 
 Imports: ``core`` only, so every side may ask it (config, rundir, submit, backends, runtime, analysis).
 """
