@@ -15,6 +15,7 @@ from cyclone_kit.config.job import JobSpec
 from cyclone_kit.config.profile import ClusterProfile, Partition
 from cyclone_kit.config.toolbox import parse_mem_mb
 from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.core.version import torch_release
 from cyclone_kit.launchers import Launcher, get_launcher
 from cyclone_kit.slurm.walltime import format_time, parse_time
 
@@ -66,6 +67,17 @@ class ResolvedJob:
     def time(self) -> str:
         """The wall time in Slurm's canonical form."""
         return format_time(self.time_s)
+
+
+def installed_torch_release() -> tuple[int, int] | None:
+    """The release of the torch installed beside cyclone_kit (what the job's interpreter runs), without
+    importing it; None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return torch_release(metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
@@ -137,6 +149,9 @@ def resolve(spec: JobSpec, profile: ClusterProfile) -> ResolvedJob:
     account = res.account or profile.account
     spares = profile.spare_nodes if res.spare_nodes is None else res.spare_nodes
     check_restart_layout(res.nodes, spares, res.min_nodes, launcher, part.nodes, where)
+    error = launcher.signal_error(spec.checkpoint.signal, installed_torch_release())
+    if error is not None:
+        raise error
     job = ResolvedJob(spec, profile, part, res.nodes, gpus, tasks, cpus, time_s, account, spares,
                       res.min_nodes or res.nodes)
     _check_pipeline(job)

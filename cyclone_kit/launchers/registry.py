@@ -87,6 +87,11 @@ class Launcher(Protocol):
         """The refusal of in-job restarts (``spares`` spare nodes, a shrink floor of ``min_nodes``), if any."""
         ...
 
+    def signal_error(self, signal: str, torch_release: tuple[int, int] | None) -> ValidationError | None:
+        """The refusal of the requeue signal ``signal`` (``checkpoint.signal``, e.g. ``USR2``) under the
+        installed torch (``(major, minor)``; None: unknown), if the launcher would not pass it on to the ranks."""
+        ...
+
     def point_resources(self, per_node: int, gpu_partition: bool) -> dict[str, int | None]:
         """A scaling study's point of ``per_node`` ranks per node, as ``resources`` fields."""
         ...
@@ -147,6 +152,10 @@ class TaskPerGpu:
         """The step watcher restarts the step: none refused."""
         return None
 
+    def signal_error(self, signal: str, torch_release: tuple[int, int] | None) -> ValidationError | None:
+        """Slurm signals the tasks (the ranks) themselves: none refused."""
+        return None
+
     def point_resources(self, per_node: int, gpu_partition: bool) -> dict[str, int | None]:
         """``per_node`` tasks (and as many GPUs on a GPU partition)."""
         if gpu_partition:
@@ -156,6 +165,12 @@ class TaskPerGpu:
     def rank_command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` as it is."""
         return list(argv)
+
+
+#: The signals torchrun's agent passes on to its workers on every torch release (its own handlers).
+AGENT_SIGNALS = ("TERM", "INT", "HUP")
+#: The first torch whose agent passes on the signals of TORCHELASTIC_SIGNALS_TO_HANDLE (pytorch#160690).
+AGENT_SIGNALS_SINCE = (2, 10)
 
 
 @dataclass(frozen=True)
@@ -221,6 +236,21 @@ class AgentPerNode:
                 "--spare-nodes and --min-nodes",
             )
         return None
+
+    def signal_error(self, signal: str, torch_release: tuple[int, int] | None) -> ValidationError | None:
+        """The agent passes on to its workers only the signals it handles: SIGTERM, SIGINT and SIGHUP on
+        every torch, others (``TORCHELASTIC_SIGNALS_TO_HANDLE``, which the batch script sets) from torch
+        2.10. An older agent dies of SIGUSR1/SIGUSR2 and its workers never checkpoint (seen with 2.6.0:
+        the agent exited -12, its workers kept running; 2.7-2.9's sources have no such variable either)."""
+        if signal in AGENT_SIGNALS or torch_release is None or torch_release >= AGENT_SIGNALS_SINCE:
+            return None
+        since = ".".join(map(str, AGENT_SIGNALS_SINCE))
+        return ValidationError(
+            f"checkpoint.signal={signal} with the {self.name} launcher under torch "
+            f"{'.'.join(map(str, torch_release))}: its agent passes SIG{signal} on to the workers only from torch "
+            f"{since} (before, the signal ends the agent and no rank checkpoints)",
+            hint=f"--set checkpoint.signal=TERM (every agent passes it on), --launcher {DEFAULT.name}, or torch>={since}",
+        )
 
     def point_resources(self, per_node: int, gpu_partition: bool) -> dict[str, int | None]:
         """One agent per node starting ``per_node`` workers, one per GPU."""
@@ -324,6 +354,10 @@ class Wrapped:
     def restart_error(self, spares: int, min_nodes: int, nodes: int) -> ValidationError | None:
         """As the wrapped launcher."""
         return self.inner.restart_error(spares, min_nodes, nodes)
+
+    def signal_error(self, signal: str, torch_release: tuple[int, int] | None) -> ValidationError | None:
+        """As the wrapped launcher."""
+        return self.inner.signal_error(signal, torch_release)
 
     def point_resources(self, per_node: int, gpu_partition: bool) -> dict[str, int | None]:
         """As the wrapped launcher."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from cyclone_kit.core.version import torch_release
+
 #: The release that brought each optional feature (for the lines below).
 SCHEDULE_EVAL_SINCE = "2.9"
 FSDP_CUSTOM_COMMS_SINCE = "2.9"
@@ -84,16 +86,10 @@ GLOO_1F1B_SINCE = (2, 13)
 GLOO_HANGING_SCHEDULES = ("1f1b", "interleaved_1f1b")
 
 
-def _release(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string such as ``2.6.0+cu124`` (pure)."""
-    major, minor, *_ = [*(int("".join(ch for ch in part if ch.isdigit()) or 0)
-                          for part in version.split("+", 1)[0].split(".")), 0, 0]
-    return major, minor
-
-
 def pipeline_schedule_refusal(schedule: str, device_kind: str, version: str) -> tuple[str, str] | None:
     """(error, hint) when ``schedule`` would hang on this device's backend under torch ``version``, else None."""
-    if device_kind != "cpu" or schedule not in GLOO_HANGING_SCHEDULES or _release(version) >= GLOO_1F1B_SINCE:
+    release = torch_release(version) or GLOO_1F1B_SINCE  # an unreadable version: not refused
+    if device_kind != "cpu" or schedule not in GLOO_HANGING_SCHEDULES or release >= GLOO_1F1B_SINCE:
         return None
     since = ".".join(map(str, GLOO_1F1B_SINCE))
     return (f"train.pipeline_schedule={schedule} on the CPU (gloo) hangs in its first step under torch {version} "

@@ -104,3 +104,36 @@ def test_pipeline_layout_refusals_before_the_queue(train, fragment):
     ok = spec_from_dict({"train": {"strategy": "pipeline", "pipeline_stages": 2},
                          "resources": {"profile": "local", "nodes": 2, "ntasks_per_node": 2}})
     assert resolve(ok, load_profile("local")).world_size == 4
+
+
+@pytest.mark.parametrize(("launcher", "signal", "release", "refused"), [
+    ("torchrun", "USR2", (2, 6), True),    # the agent dies of SIGUSR2; no worker checkpoints
+    ("torchrun", "USR1", (2, 9), True),
+    ("torchrun", "USR2", (2, 10), False),  # TORCHELASTIC_SIGNALS_TO_HANDLE from 2.10
+    ("torchrun", "TERM", (2, 6), False),   # every agent passes SIGTERM on
+    ("torchrun", "USR2", None, False),     # torch not installed on the login node: nothing to judge
+    ("srun", "USR2", (2, 6), False),       # Slurm signals the ranks themselves
+    ("horovod", "USR1", (2, 6), False),
+])
+def test_a_requeue_signal_that_torchruns_agent_would_not_pass_on_is_refused(monkeypatch, launcher, signal, release,
+                                                                              refused):
+    from cyclone_kit.config import validate
+
+    monkeypatch.setattr(validate, "installed_torch_release", lambda: release)
+    spec = spec_from_dict({"resources": {"partition": "gpu", "nodes": 2, "launcher": launcher},
+                           "checkpoint": {"signal": signal}})
+    if not refused:
+        assert resolve(spec, load_profile("cyclone")).spec.checkpoint.signal == signal
+        return
+    with pytest.raises(ValidationError) as err:
+        resolve(spec, load_profile("cyclone"))
+    assert f"checkpoint.signal={signal} with the torchrun launcher under torch {release[0]}.{release[1]}" in str(err.value)
+    assert "checkpoint.signal=TERM" in err.value.hint and "torch>=2.10" in err.value.hint
+
+
+@pytest.mark.parametrize(("version", "release"), [("2.6.0+cu124", (2, 6)), ("2.10.0a0+git1234", (2, 10)),
+                                                   ("2.14.1", (2, 14)), ("nightly", None), ("2", None)])
+def test_torch_release_reads_major_and_minor(version, release):
+    from cyclone_kit.core.version import torch_release
+
+    assert torch_release(version) == release
