@@ -6,7 +6,8 @@
 # Each run: a clean clone of HEAD in a new temporary folder, and, moved aside first, what a clean
 # clone would still find on this machine: the local cluster's state root (CK_SLURM_ROOT, default
 # /var/tmp/cyclone-slurm), its configuration (/etc/slurm) and the caches under $HOME
-# (~/.cache: the Horovod wheel, pip's cache). So a set-up step that works only because of leftovers
+# (~/.cache: the Horovod wheel, pip's cache) and the container image (CK_CONTAINER_IMAGES, default
+# /var/tmp/cyclone-images, built by scripts/build-container-image.sh). So a set-up step that works only because of leftovers
 # fails here first. The local cluster is stopped before and after each run; whatever was moved aside is
 # put back at the end, also when the run fails or is stopped (Ctrl-C). Debian packages stay installed
 # (what a CI machine of this kind also lacks: the first run of CI installs them; so does `make test`).
@@ -18,7 +19,8 @@ runs=${1:-1}
 [ "$(id -u)" = 0 ] || { echo "fresh-test: run as root (it moves /etc/slurm and the cluster's state aside, as CI starts without them)" >&2; exit 2; }
 
 aside=$(mktemp -d /var/tmp/fresh-test-aside.XXXXXX)
-MOVED=("${CK_SLURM_ROOT:-/var/tmp/cyclone-slurm}" /etc/slurm "${XDG_CACHE_HOME:-$HOME/.cache}")
+MOVED=("${CK_SLURM_ROOT:-/var/tmp/cyclone-slurm}" /etc/slurm "${XDG_CACHE_HOME:-$HOME/.cache}"
+       "${CK_CONTAINER_IMAGES:-/var/tmp/cyclone-images}")
 work=""
 
 stop_cluster() { bash "$1/scripts/local-slurm.sh" stop >/dev/null 2>&1 || true; }
@@ -53,7 +55,7 @@ for run in $(seq 1 "$runs"); do
     work=$(mktemp -d /var/tmp/fresh-test-clone.XXXXXX)
     git clone -q "$repo" "$work/clone" || { echo "fresh-test: git clone of $repo failed" >&2; exit 1; }
     t0=$(date +%s)
-    (cd "$work/clone" && make setup data slurm-up horovod) >"$work/setup.log" 2>&1
+    (cd "$work/clone" && make setup data slurm-up horovod container-image) >"$work/setup.log" 2>&1
     setup_rc=$? t1=$(date +%s)
     if [ "$setup_rc" = 0 ]; then
         (cd "$work/clone" && bash .ci/run) 2>&1 | tee "$work/test.log" | tail -n 5
