@@ -31,10 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--static-only", action="store_true", help="only the static checks; submit no job")
     p.add_argument("--runs-dir", default="runs", help="where the smoke job's run directory goes (default: ./runs; "
                    "it must be visible from the compute nodes)")
-    p.add_argument("--container", metavar="IMAGE", default="",
+    p.add_argument("--container", metavar="IMAGE",
                    help="run the smoke job's probes inside this container image: checks that it starts on every "
                         "rank, imports torch and sees the partition's GPUs (default: the profile's [container] image)")
-    p.add_argument("--container-runtime", default="", metavar="NAME",
+    p.add_argument("--container-runtime", metavar="NAME",
                    help="charliecloud, apptainer, singularity or pyxis (default: the profile's [container] runtime)")
     p.add_argument("--wait-timeout", type=float, default=300,
                    help="seconds to wait for the smoke job, queue included, before cancelling it (default: 300)")
@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValidationError(f"--wait-timeout {args.wait_timeout:g} is not positive", hint="e.g. --wait-timeout 300")
     options = DoctorOptions(profile=args.profile, partition=args.partition or "", nodes=args.nodes, account=args.account or "",
                             runs_dir=Path(args.runs_dir), wait_timeout_s=args.wait_timeout, static_only=args.static_only,
-                            ntasks_per_node=args.ntasks_per_node, container=args.container,
-                            container_runtime=args.container_runtime)
+                            ntasks_per_node=args.ntasks_per_node, container=args.container or "",
+                            container_runtime=args.container_runtime or "")
     checks = run_doctor(options, progress=lambda line: print(f"doctor: {line}", file=sys.stderr, flush=True))
     sys.stdout.write(to_json(checks) + "\n" if args.json else format_table(checks))
     return exit_code(checks)
