@@ -37,8 +37,9 @@ from cyclone_kit.backends.srun_emulator import (
     launch,
     record_submission,
 )
+from cyclone_kit.config.container import container_environment, container_runtime
 from cyclone_kit.core.errors import RankFailure, ValidationError
-from cyclone_kit.launchers import LOCAL
+from cyclone_kit.launchers import LOCAL, Wrapped
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.entry import rank_argv
 from cyclone_kit.rundir.layout import RunDir, last_end_record
@@ -117,10 +118,19 @@ class LocalBackend:
         run_dir = str(Path(run_dir).absolute())
         threads = self.threads_for(job)
         cwd = working_directory(job.spec) or os.getcwd()
+        base = os.environ if environ is None else environ
         ranks = launcher_variables(job.world_size, job.nodes, job_id=job_id, master_port=master_port,
                                    threads=threads, run_dir=run_dir, job_name=job.spec.name, submit_dir=cwd,
-                                   base=os.environ if environ is None else environ, extra_env=self.extra_env)
-        return LocalPlan(run_dir, cwd, threads, tuple(LOCAL.rank_command(rank_argv(job.spec, run_dir))), tuple(ranks))
+                                   base=base, extra_env=self.rank_env(job, base))
+        return LocalPlan(run_dir, cwd, threads, tuple(rank_command(job, run_dir)), tuple(ranks))
+
+    def rank_env(self, job: Any, environ: Mapping[str, str]) -> dict[str, str]:
+        """The variables every rank gets on top of the launcher's: a container's (its venv on ``PYTHONPATH``,
+        ``USER``), then the backend's ``extra_env``."""
+        import getpass
+
+        box = job.spec.container
+        return {**(container_environment(box, environ, getpass.getuser()) if box is not None else {}), **self.extra_env}
 
     def dry_run(self, job: Any, run_dir: Path | str) -> str:
         """The plan of ``job`` as ``submit --backend local --dry-run`` prints it (writes nothing)."""
@@ -138,8 +148,9 @@ class LocalBackend:
         threads = self.threads_for(job)
         rd.set_threads(threads)
         result = launch(rd.path, job.world_size, job.nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=LOCAL.rank_command(rank_argv(job.spec, rd.path)),
-                        cwd=working_directory(job.spec), timeout_s=self.timeout_s, extra_env=self.extra_env)
+                        grace_s=self.grace_s, command=rank_command(job, rd.path),
+                        cwd=working_directory(job.spec), timeout_s=self.timeout_s,
+                        extra_env=self.rank_env(job, os.environ))
         return result
 
     def record(self, run_dir: Path, result: LaunchResult) -> None:
@@ -232,6 +243,15 @@ def launch_facts(launch: Mapping[str, Any] | None, shim_end: Mapping[str, Any] |
     nodelist = str((launch or {}).get("nodelist") or ",".join(hosts))
     reason = f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''} on {', '.join(hosts)}" if ranks and hosts else ""
     return len(hosts), nodelist, elapsed, reason
+
+
+def rank_command(job: Any, run_dir: Path | str) -> list[str]:
+    """What each rank of ``job`` runs in ``run_dir`` (pure): the local launcher's command, in the job's container
+    when it has one (:class:`~cyclone_kit.launchers.registry.Wrapped`, the image's python)."""
+    box = job.spec.container
+    runtime = container_runtime(job.spec, run_dir)
+    launcher = LOCAL if runtime is None else Wrapped(LOCAL, runtime)
+    return launcher.rank_command(rank_argv(job.spec, run_dir, python=box.python if box is not None else None))
 
 
 def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None) -> Any:

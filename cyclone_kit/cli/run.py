@@ -107,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
 
             spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher=HOROVOD.name))
         job = fill_args(local_job(spec, args.nproc, args.nodes, args.threads))
+        if job.spec.container is not None:  # the spec's own [container] (no cluster profile takes part here)
+            from cyclone_kit.config.jobspec import check_backend, check_container
+
+            check_backend(job.spec, "local")
+            job = check_container(job, Path(args.runs_dir))
         rd = RunDir(prepare_run_dir(job, Path(args.runs_dir), batch_script=LocalBackend.batch_script))
     backend = LocalBackend(quiet=args.quiet, threads=job.cpus_per_task,
                            timeout_s=args.timeout,

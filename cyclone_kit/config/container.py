@@ -14,7 +14,7 @@ import dataclasses
 import shutil
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,15 @@ from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.launchers.containers import (
     RUNTIMES,
     Bind,
+    ContainerRuntime,
     charliecloud_mount_points,
     image_form_error,
     is_remote,
+    job_binds,
+    make_runtime,
     missing_runtime_error,
     parse_bind,
+    rank_env,
     runtime_names,
 )
 
@@ -137,6 +141,32 @@ def container_paths(spec: Any, run_dir: Path | str) -> list[str]:
     if spec.container is not None:
         paths += spec.container.pythonpath
     return [p for p in paths if p]
+
+
+def container_runtime(spec: Any, run_dir: Path | str, *, gpus: bool = False) -> ContainerRuntime | None:
+    """The container runtime that wraps the rank command of ``spec`` in ``run_dir`` (pure; None without a
+    container): the paths the job needs bound at the same paths, the ranks' own variables, and the working
+    folder (a script's ``chdir``, else the run directory) where the runtime does not keep it."""
+    box = spec.container
+    if box is None:
+        return None
+    binds = job_binds(box.runtime, container_paths(spec, run_dir), box.bind_list)
+    script = getattr(spec, "script", None)
+    cwd = script.chdir if script is not None and script.chdir else str(run_dir)
+    return make_runtime(box.runtime, box.image, binds, rank_env(box.runtime), gpus=gpus, cwd=cwd)
+
+
+def container_environment(container: ContainerConfig, environ: Mapping[str, str], user: str) -> dict[str, str]:
+    """What a container's ranks need on top of ``environ`` (pure): the job's venv on ``PYTHONPATH`` after
+    the entries ``environ`` has (as site-packages would be), and ``USER`` = ``user`` where ``environ`` has
+    none (ch-run refuses to start without it)."""
+    out: dict[str, str] = {}
+    if container.pythonpath:
+        out["PYTHONPATH"] = ":".join([p for p in environ.get("PYTHONPATH", "").split(":") if p]
+                                     + list(container.pythonpath))
+    if not environ.get("USER"):
+        out["USER"] = user
+    return out
 
 
 def container_problems(container: ContainerConfig, needed: Iterable[str], partition: str, *,

@@ -62,11 +62,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, with_resources: bool =
                             help="with no spare left, restart the step on as few as M healthy nodes (the world "
                                  "shrinks) rather than requeue the job (default: never below --nodes)")
     parser.add_argument("--name", help="job name (letters, digits, . _ + -)")
-    if with_resources:
-        parser.add_argument("--container", metavar="IMAGE",
-                            help="run the ranks inside this container image (the runtime: the profile's [container] "
-                                 "runtime, or --set container.runtime=charliecloud|apptainer|pyxis); the run directory, "
-                                 "working folder and this virtual environment are bound in at the same paths")
+    parser.add_argument("--container", metavar="IMAGE",
+                        help="run the ranks inside this container image (the runtime: the profile's [container] "
+                             "runtime, or --set container.runtime=charliecloud|apptainer|pyxis); the run directory, "
+                             "working folder and this virtual environment are bound in at the same paths")
     add_script_arguments(parser)
     add_data_check_argument(parser)
 
@@ -222,11 +221,15 @@ def checked_spec(spec: JobSpec) -> tuple[JobSpec, Any]:
 
 def check_backend(spec: JobSpec, backend: str) -> None:
     """Refuse a backend that cannot run a user's script (submitit runs the built-in trainer's callable),
-    or a container (only the slurm backend's batch script wraps the ranks in one)."""
-    if spec.container is not None and backend != "slurm":
-        raise ValidationError(f"a container job ({spec.container.runtime} image {spec.container.image}) with the "
-                              f"{backend} backend: only the slurm backend's batch script runs the ranks in a container",
-                              hint="use --backend slurm (default), or drop --container")
+    or a container (the submitit backend never wraps its ranks; the local one cannot run Pyxis, which needs srun)."""
+    from cyclone_kit.launchers.containers import RUNTIMES
+
+    box = spec.container
+    if box is not None and (backend == "submitit" or (backend == "local" and not RUNTIMES[box.runtime].local)):
+        raise ValidationError(f"a container job ({box.runtime} image {box.image}) with the {backend} backend, which "
+                              f"cannot run {box.runtime}",
+                              hint="use --backend slurm (default), or drop --container"
+                              + (" (the local backend runs charliecloud and apptainer images)" if backend == "local" else ""))
     if spec.script is not None and backend == "submitit":
         raise ValidationError(f"the submitit backend runs the built-in trainer, not {spec.script.label}",
                               hint="use --backend slurm (default) or --backend local for a script")

@@ -240,6 +240,8 @@ class RuntimeInfo:
     remote_marks: tuple[str, ...]
     #: how to see that the compute nodes have it
     node_check: str
+    #: whether it can run ranks on this machine (the local backend); Pyxis needs srun
+    local: bool = True
 
 
 RUNTIMES: dict[str, RuntimeInfo] = {
@@ -251,7 +253,7 @@ RUNTIMES: dict[str, RuntimeInfo] = {
                                ("docker://", "oras://", "library://", "shub://"),
                                "srun -N1 -p PARTITION singularity --version"),
     "pyxis": RuntimeInfo("pyxis", "srun", (".sqsh", ".squashfs"), ("#", "docker://"),
-                         "srun -N1 -p PARTITION --help | grep container-image"),
+                         "srun -N1 -p PARTITION --help | grep container-image", local=False),
 }
 
 

@@ -18,14 +18,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from cyclone_kit.config.container import container_paths
+from cyclone_kit.config.container import container_runtime
 from cyclone_kit.config.validate import ResolvedJob
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.core.malloc import GLIBC_TUNABLES
 from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN  # the templates' MASTER_PORT range (cyclone_kit.core.ports)
 from cyclone_kit.core.version import __version__
 from cyclone_kit.launchers import Launcher, Wrapped
-from cyclone_kit.launchers.containers import ContainerRuntime, job_binds, make_runtime, rank_env
+from cyclone_kit.launchers.containers import ContainerRuntime
 from cyclone_kit.rundir.entry import rank_words
 from cyclone_kit.rundir.layout import RunDir, StudyDir
 
@@ -106,7 +106,7 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
     run_dir = str(run_dir)
     want_signal = ck.requeue or ck.every_steps > 0 or ck.resume
     python = python or prof.python or sys.executable
-    runtime = container_runtime(job, run_dir)
+    runtime = container_runtime(spec, run_dir, gpus=bool(job.gpus_per_node))
     launcher: Launcher = job.launcher if runtime is None else Wrapped(job.launcher, runtime)
     rank_python = spec.container.python if spec.container is not None else python
     return {
@@ -158,17 +158,6 @@ def script_context(job: ResolvedJob, run_dir: Path | str, python: str | None = N
         "script_source": (spec.script.path or f"-m {spec.script.module}") if spec.script is not None else "",
         "script_live": bool(spec.script is not None and (spec.script.live or spec.script.module)),
     }
-
-
-def container_runtime(job: ResolvedJob, run_dir: Path | str) -> ContainerRuntime | None:
-    """The container runtime that wraps ``job``'s rank command in ``run_dir`` (pure; None without a container)."""
-    box = job.spec.container
-    if box is None:
-        return None
-    binds = job_binds(box.runtime, container_paths(job.spec, run_dir), box.bind_list)
-    # the ranks' working folder: a script's (script.chdir, where the batch script cds), else the run directory
-    cwd = job.spec.script.chdir if job.spec.script is not None and job.spec.script.chdir else str(run_dir)
-    return make_runtime(box.runtime, box.image, binds, rank_env(box.runtime), gpus=bool(job.gpus_per_node), cwd=cwd)
 
 
 def container_lines(job: ResolvedJob, runtime: ContainerRuntime | None) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import shlex
 from pathlib import Path
@@ -295,3 +296,16 @@ def test_doctor_smoke_job_runs_its_probe_in_the_container():
     line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("ch-run"))
     assert "--set-env=CYCLONE_CONTAINER=charliecloud" in line and line.strip().endswith(
         "/img -- python3 -m cyclone_kit.doctor.probe --out /tmp/runs/d/doctor \\")
+
+
+# ------------------------------------------------------------------ the local backend runs its ranks in the container
+def test_local_backend_plan_wraps_the_ranks_and_gives_them_the_venv():
+    from cyclone_kit.backends.local import LocalBackend, local_job
+
+    spec = spec_from_dict({"name": "c", "container": {**BOX, "pythonpath": ["/w/site", "/w/proj"]}})
+    plan = LocalBackend(threads=1).plan(local_job(spec, 2), "/tmp/runs/c", environ={"PYTHONPATH": "/mine", "PATH": "/bin"})
+    assert plan.command[:9] == ("ch-run", "-b", "/tmp", "-b", "/w", "--set-env=CYCLONE_REQUEUE_BY=stepwatch",
+                                "--set-env=CYCLONE_CONTAINER=charliecloud", "--cd=/tmp/runs/c", "/img")
+    assert plan.command[9:] == ("--", "python3", "-m", "cyclone_kit.runtime", "--run-dir", "/tmp/runs/c")
+    assert {r["PYTHONPATH"] for r in plan.ranks} == {"/mine:/w/site:/w/proj"}
+    assert {r["USER"] for r in plan.ranks} == {getpass.getuser()}  # ch-run needs it; environ had none
