@@ -32,6 +32,7 @@ from cyclone_kit.launchers.containers import (
     parse_bind,
 )
 from cyclone_kit.submit.render import render_script
+from tests.helpers.cli import REPO
 
 PY = "/opt/venv/bin/python"
 NO_USER_TEMPLATES = {"CYCLONE_KIT_TEMPLATES": "/nonexistent"}
@@ -309,3 +310,16 @@ def test_local_backend_plan_wraps_the_ranks_and_gives_them_the_venv():
     assert plan.command[9:] == ("--", "python3", "-m", "cyclone_kit.runtime", "--run-dir", "/tmp/runs/c")
     assert {r["PYTHONPATH"] for r in plan.ranks} == {"/mine:/w/site:/w/proj"}
     assert {r["USER"] for r in plan.ranks} == {getpass.getuser()}  # ch-run needs it; environ had none
+
+
+def test_sweep_container_flag_reaches_every_point(tmp_path):
+    from cyclone_kit.config.sweep import load_sweep
+    from cyclone_kit.submit.study import plan
+
+    (tmp_path / "sw.toml").write_text(f"[sweep]\nname = 's'\nmode = 'strong'\nbase = '{REPO / 'jobs' / 'smoke.toml'}'\n"
+                                      "world_sizes = [1, 2]\nglobal_batch_size = 32\n")
+    sweep = load_sweep(tmp_path / "sw.toml", ["container.runtime=apptainer"], [("container.image", "/i.sif")])
+    runs = plan(sweep, load_profile("local"))
+    assert len(runs) == 2 and {r.job.spec.container for r in runs} == {ContainerConfig(runtime="apptainer", image="/i.sif")}
+    text = render_script(runs[1].job, "/tmp/runs/p1", python=PY, environ=NO_USER_TEMPLATES)
+    assert "apptainer exec --bind /tmp/runs/p1 --env CYCLONE_REQUEUE_BY=stepwatch" in text
