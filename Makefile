@@ -53,13 +53,13 @@ lint: setup
 unit: setup
 	$(PY) -m pytest -q tests/unit
 
-# As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,EXTRAS,DATA}=1 turn their skips into
+# As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,EXTRAS,DATA,CONTAINER}=1 turn their skips into
 # failures (tests/conftest.py). scripts/run-tests.sh runs the integration tier, then the Slurm tier beside the unit
 # tier (the two big tiers side by side ran 2x slower each), and prints each tier's log whole, with what was skipped.
 test: setup data slurm-up horovod container-image
 	$(PY) -m ruff check .
 	REQ=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0); \
-	CK_REQUIRE_SLURM=$$REQ CK_REQUIRE_ACCOUNTING=$$REQ CK_REQUIRE_HOROVOD=$$REQ CK_REQUIRE_EXTRAS=$$REQ CK_REQUIRE_DATA=$$REQ bash scripts/run-tests.sh $(PY)
+	CK_REQUIRE_SLURM=$$REQ CK_REQUIRE_ACCOUNTING=$$REQ CK_REQUIRE_HOROVOD=$$REQ CK_REQUIRE_EXTRAS=$$REQ CK_REQUIRE_DATA=$$REQ CK_REQUIRE_CONTAINER=$$REQ bash scripts/run-tests.sh $(PY)
 
 # `make test` as a fresh machine sees it, RUNS times: a clean clone each time, with the cluster's state, /etc/slurm
 # and ~/.cache moved aside (put back afterwards), so a set-up step that works only thanks to leftovers fails here.
