@@ -27,7 +27,7 @@ the rest of the step is idle (the pipeline bubble, and waiting for neighbours). 
 carries the per-stage compute and idle seconds (:data:`~cyclone_kit.rundir.contract.PIPELINE_STEP_FIELDS`),
 for the report to set against the ideal bubble (P-1)/(M+P-1).
 
-**Checkpoints**: torch.distributed.checkpoint (:mod:`~cyclone_kit.runtime.pipeline_ckpt`): every
+**Checkpoints**: torch.distributed.checkpoint (:mod:`~cyclone_kit.runtime.checkpoint.pipeline`): every
 stage writes its own tensors under the full model's names, so a DDP run (any world size) loads
 the weights and momentum, and a pipeline run can resume from a DDP checkpoint.
 """
@@ -49,9 +49,9 @@ from cyclone_kit.config.job import PIPELINE_SCHEDULES, JobSpec
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.contract import pipeline_step_fields
 from cyclone_kit.runtime import metrics as mx
-from cyclone_kit.runtime import pipeline_ckpt as pck
 from cyclone_kit.runtime import pipeline_split as split
 from cyclone_kit.runtime import torchcompat
+from cyclone_kit.runtime.checkpoint import pipeline as pck
 from cyclone_kit.runtime.data import auto_workers, build_data
 from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
 from cyclone_kit.runtime.env import DistEnv
@@ -689,7 +689,7 @@ class _Loop:
 
     def _write_checkpoint(self, step: int, epoch: int) -> None:
         from cyclone_kit.runtime import checkpoint as ckpt
-        from cyclone_kit.runtime import fsdp_ckpt
+        from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
 
         entries = pck.save_stages(self.session.checkpoint_dir, step, self.pipe.modules, self.optimizer)
         rngs = self.session.gather_to_main(ckpt.capture_rng())

@@ -707,8 +707,8 @@ class _Loop:
         model_state: Any = None
         optim_state: Any = None
         optim_format = "torch"
-        if self.sharded and self.cc.sharded:  # every rank writes its own shards (runtime/fsdp_ckpt.py)
-            from cyclone_kit.runtime import fsdp_ckpt
+        if self.sharded and self.cc.sharded:  # every rank writes its own shards (runtime/checkpoint/fsdp.py)
+            from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
 
             entries = fsdp_ckpt.save_sharded(RunDir(self.run_dir).checkpoints, step, self.model, self.optimizer)
             model_state, optim_state, optim_format = entries["model"], None, fsdp_ckpt.FORMAT
@@ -744,7 +744,7 @@ class _Loop:
                 state["scaler"] = self.scaler.state_dict()
         prune = None
         if optim_format == "dcp":
-            from cyclone_kit.runtime import fsdp_ckpt
+            from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
 
             prune = fsdp_ckpt.prune
         # Rank 0 writes it atomically (the newest checkpoint.keep kept); the others wait on the gloo side group.
@@ -792,7 +792,7 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
     seed_momentum(optimizer)  # a state written before any step has no momentum buffers: fused SGD's would be garbage
     scheduler.load_state_dict(state["scheduler"])
     if state.get("optimizer_format") == "pipeline-dcp":
-        from cyclone_kit.runtime import pipeline_ckpt
+        from cyclone_kit.runtime.checkpoint import pipeline as pipeline_ckpt
 
         pipeline_ckpt.sync_lr(optimizer, scheduler)
     if scaler is not None and "scaler" in state:
@@ -810,7 +810,7 @@ def _load_states(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
                  folder: Path | None) -> None:
     fqn = state.get("optimizer_format") == "fqn"
     if state.get("optimizer_format") == "dcp":  # FSDP shards (checkpoint.sharded) in folder/ckpt-N.dcp
-        from cyclone_kit.runtime import fsdp_ckpt
+        from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
 
         if not sharded or folder is None:
             raise ValidationError(
@@ -820,7 +820,7 @@ def _load_states(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
             )
         fsdp_ckpt.load_sharded(folder, state, model, optimizer)
     elif state.get("optimizer_format") == "pipeline-dcp" and not sharded and folder is not None:
-        from cyclone_kit.runtime import pipeline_ckpt  # a pipeline's stages, by the full model's names
+        from cyclone_kit.runtime.checkpoint import pipeline as pipeline_ckpt  # a pipeline's stages, by the full model's names
 
         pipeline_ckpt.load_full(folder / state["model"]["dcp"], model, optimizer)
     elif sharded or fqn:

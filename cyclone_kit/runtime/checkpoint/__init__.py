@@ -21,6 +21,11 @@ write is in flight: the next one waits for it (:meth:`BackgroundWriter.wait`), a
 failed raises its error there, or at the end of the segment, as the synchronous write would have.
 :func:`copy_checkpoint` copies a node-local first copy into the run directory under the same rules,
 its bytes verified against the first copy's checksum.
+
+The package is the rank side's one place for checkpoints: this module (the file format, the atomic
+write, the checksum, the newest-good rule, :func:`load_states`: a state into a model and optimizer,
+whichever writer made it), :mod:`~cyclone_kit.runtime.checkpoint.fsdp` (FSDP's sharded variant) and
+:mod:`~cyclone_kit.runtime.checkpoint.pipeline` (the pipeline's stages under the full model's names).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ state dict: ``model.<name>`` for each entry of the *unsplit* model's state dict 
 ``momentum.<name>`` for each parameter's SGD momentum. Replicas of a stage hold the same tensors;
 DCP's planner writes each key once. Rank 0's small ``ckpt-NNNNNNNNN.pt`` (scheduler, step,
 sampler position, RNG, the split) names the directory and is written after every shard, so a
-``.pt`` that exists is a complete checkpoint (:func:`cyclone_kit.runtime.fsdp_ckpt.prune`
+``.pt`` that exists is a complete checkpoint (:func:`cyclone_kit.runtime.checkpoint.fsdp.prune`
 removes directories left without one).
 
 Because the names are the full model's, a DDP run on any number of ranks loads the weights and
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cyclone_kit.runtime.checkpoint.fsdp import shard_dir_name
 from cyclone_kit.runtime.dist import side_group
-from cyclone_kit.runtime.fsdp_ckpt import shard_dir_name
 
 #: The optimizer_format of a pipeline checkpoint (tensors in a DCP directory).
 FORMAT = "pipeline-dcp"
