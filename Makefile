@@ -54,8 +54,9 @@ unit: setup
 	$(PY) -m pytest -q tests/unit
 
 # As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,EXTRAS,DATA,CONTAINER}=1 turn their skips into
-# failures (tests/conftest.py). scripts/run-tests.sh runs the integration tier, then the Slurm tier beside the unit
-# tier (the two big tiers side by side ran 2x slower each), and prints each tier's log whole, with what was skipped.
+# failures (tests/conftest.py). scripts/run-tests.sh runs the integration tier beside the Slurm files that mostly
+# wait, then the other Slurm files beside the unit tier and the integration files that ask little CPU (each phase
+# pairs CPU-bound with wait-bound work), and prints each tier's log whole, with what was skipped.
 test: setup data slurm-up horovod container-image
 	$(PY) -m ruff check .
 	REQ=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0); \
