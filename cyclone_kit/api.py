@@ -547,7 +547,7 @@ def _stderr() -> Any:
 
 
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-    from cyclone_kit.runtime.progress import park_if_stalling
+    from cyclone_kit.runtime.watchers.stall import park_if_stalling
 
     park_if_stalling()  # this rank's watchdog is ending it: the rank that waited is not blamed
     run = _run

@@ -195,7 +195,7 @@ class RunDir:
         return self.path / PROGRESS_DIR
 
     def progress_record(self, rank: int) -> Path:
-        """``progress/rank-NNNNN.json``: a rank's progress record (:mod:`cyclone_kit.runtime.progress`)."""
+        """``progress/rank-NNNNN.json``: a rank's progress record (:mod:`cyclone_kit.runtime.watchers.stall`)."""
         return self.progress / f"rank-{rank:05d}.json"
 
     def progress_records(self) -> list[Path]:

@@ -2,7 +2,7 @@
 
 When a step of a job with spare nodes or a shrink floor (``resources.spare_nodes``,
 ``resources.min_nodes``) ends because of a stall or a lost node, the step watcher
-(:mod:`cyclone_kit.runtime.stepwatch`, on the batch host) leaves the bad node out and starts the
+(:mod:`cyclone_kit.runtime.watchers.jobstep`, on the batch host) leaves the bad node out and starts the
 step again inside the same job. Each such restart is one entry of ``restarts.json`` (schema
 :data:`SCHEMA`)::
 

@@ -5,7 +5,7 @@ local launcher. A rank that fails writes ``DIR/ranks/error-rank-<rank:05d>.json`
 exception type, message, traceback) and exits at once with a non-zero code, without waiting
 for its peers; they fail on their next collective (a closed connection, or the process-group
 timeout) and exit the same way, so no rank is left hanging. Under Slurm the rank runs as the
-child of a small watchdog (:mod:`cyclone_kit.runtime.watchdog`) that writes the error record and
+child of a small watchdog (:mod:`cyclone_kit.runtime.watchers.rankexit`) that writes the error record and
 ``failure.json`` when the rank is killed by a signal and cannot write them itself.
 """
 
@@ -60,7 +60,7 @@ def run_training(run_dir: str | Path, spec_path: str | Path | None = None) -> in
         teardown()
         return 0
     except BaseException as exc:
-        from cyclone_kit.runtime.progress import park_if_stalling
+        from cyclone_kit.runtime.watchers.stall import park_if_stalling
 
         park_if_stalling()  # this rank's watchdog is ending it: the rank that waited is not blamed
         try:
@@ -98,11 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.run_dir:
         sys.stderr.write("error: no run directory HINT: pass --run-dir DIR (or export CYCLONE_RUN_DIR)\n")
         return 2
-    from cyclone_kit.runtime import watchdog
+    from cyclone_kit.runtime.watchers import rankexit
 
-    if watchdog.wanted(os.environ):  # under Slurm: a parent records how this rank died (see watchdog)
+    if rankexit.wanted(os.environ):  # under Slurm: a parent records how this rank died (see watchdog)
         rest = list(sys.argv[1:] if argv is None else argv)
-        return watchdog.supervise([sys.executable, "-m", "cyclone_kit.runtime", *rest], args.run_dir)
+        return rankexit.supervise([sys.executable, "-m", "cyclone_kit.runtime", *rest], args.run_dir)
     from cyclone_kit.rundir.failures import rank_guess
 
     try:

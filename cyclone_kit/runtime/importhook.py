@@ -1,7 +1,7 @@
 """Run a function on a module once it is imported, without importing it (the launch shim's hooks).
 
 The shim watches a user's script from inside its process: :mod:`cyclone_kit.runtime.pgcheck` wraps
-``torch.distributed.init_process_group`` and Horovod's ``init``, :mod:`cyclone_kit.runtime.scriptwatch`
+``torch.distributed.init_process_group`` and Horovod's ``init``, :mod:`cyclone_kit.runtime.watchers.scriptsteps`
 registers a step hook on ``torch.optim``. Neither may import torch for a script that does not, so
 :func:`after_import` puts one finder first on :data:`sys.meta_path`: it lets the real finders load a
 watched module and calls its functions on the module right after it ran. A module loaded already is

@@ -15,7 +15,7 @@ front of the script). On this rank it:
    ``HOROVOD_CONTROLLER=gloo``), so a script's ``hvd.init()`` finds its peers;
 3. on rank 0, appends a ``start`` record to ``RUN_DIR/shim.jsonl`` (script, its hash, world size,
    hosts, launcher) and, when the script ends, an ``end`` record (exit status, wall time);
-4. runs a progress watchdog fed by the script's optimizer steps (:mod:`cyclone_kit.runtime.scriptwatch`),
+4. runs a progress watchdog fed by the script's optimizer steps (:mod:`cyclone_kit.runtime.watchers.scriptsteps`),
    so a rank that hangs ends the job within the stall bound instead of its wall time;
 5. keeps the job's time-limit warning signal (``checkpoint.signal``, USR2) from killing a script
    that does not handle it (:func:`note_requeue_signal`);
@@ -30,7 +30,7 @@ srun's, scancel's and the local launcher's signals reach it directly with nothin
 (``sys.exit(3)`` exits 3, a SIGKILL is a SIGKILL), and no second interpreter starts (start-up
 costs only this module's small imports). ``os.execv`` would be as exact but leaves nobody to write
 the end record. Under Slurm the rank still runs below cyclone_kit's watchdog
-(:mod:`cyclone_kit.runtime.watchdog`), which forwards what reaches it alone and records a death by
+(:mod:`cyclone_kit.runtime.watchers.rankexit`), which forwards what reaches it alone and records a death by
 signal that the rank cannot record itself.
 
 When the script raises, this rank writes its error record (``ranks/error-rank-N.json``: type,
@@ -553,12 +553,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         sys.stderr.write(f"error: {e} HINT: {USAGE}\n")
         return 2
-    from cyclone_kit.runtime import watchdog
+    from cyclone_kit.runtime.watchers import rankexit
 
-    if watchdog.wanted(os.environ):  # under Slurm: a parent records how this rank died (see watchdog)
+    if rankexit.wanted(os.environ):  # under Slurm: a parent records how this rank died (see watchdog)
         from cyclone_kit.rundir.entry import SHIM_MODULE
 
-        return watchdog.supervise([sys.executable, "-m", SHIM_MODULE, *raw], shim.run_dir)
+        return rankexit.supervise([sys.executable, "-m", SHIM_MODULE, *raw], shim.run_dir)
     _leave(_run(shim))
     return 0  # not reached
 
@@ -603,19 +603,19 @@ def _run(shim: ShimArgs) -> int:
     from cyclone_kit.runtime import pgcheck
 
     pgcheck.watch()
-    from cyclone_kit.runtime import scriptwatch
+    from cyclone_kit.runtime.watchers import scriptsteps
 
-    if spec is not None and run_dir is not None:  # a stalled step ends the job (see scriptwatch)
-        from cyclone_kit.runtime.progress import STALL_EXIT_CODE
+    if spec is not None and run_dir is not None:  # a stalled step ends the job (see watchers.scriptsteps)
+        from cyclone_kit.runtime.watchers.stall import STALL_EXIT_CODE
 
         def stalled(cause: str) -> None:
             end = end_record("failed", STALL_EXIT_CODE, time.monotonic() - started, _utc_now(), f"stalled: {cause}")
             _append(RunDir(run_dir).shim, [end])
 
-        scriptwatch.arm(run_dir, env, spec.checkpoint, os.environ, stalled)
+        scriptsteps.arm(run_dir, env, spec.checkpoint, os.environ, stalled)
     if main_rank:  # stopped by the local launcher (a peer failed): the end record first (see end_on_sigterm)
         def stopped_end(code: int, error: str) -> None:
-            scriptwatch.stop()
+            scriptsteps.stop()
             _write_end(run_dir, shim, spec, start, metrics_before, code, time.monotonic() - started, error,
                        pgcheck.formed_world())
 
@@ -625,7 +625,7 @@ def _run(shim: ShimArgs) -> int:
         try:
             run_script(shim, script_location(shim, spec, run_dir))
         except BaseException:
-            from cyclone_kit.runtime.progress import park_if_stalling
+            from cyclone_kit.runtime.watchers.stall import park_if_stalling
 
             park_if_stalling()  # this rank's watchdog is ending it: the rank that waited is not blamed
             raise
@@ -648,7 +648,7 @@ def _run(shim: ShimArgs) -> int:
         if hint:
             _say(hint)
         _record_error(run_dir, rank, host, e)
-    scriptwatch.stop()  # a no-op when it was not armed
+    scriptsteps.stop()  # a no-op when it was not armed
     wall = time.monotonic() - started
     formed, used = pgcheck.formed_world(), pgcheck.collectives()
     warning = pgcheck.verdict(env.world_size, formed, used) if code == 0 else ""
@@ -682,7 +682,7 @@ def end_on_sigterm(write_end: Any, environ: Mapping[str, str]) -> bool:
     record, the root cause is the peer's) and then dies of SIGTERM as before, so the rank's exit
     status is unchanged. Installed only where SIGTERM has its default action (a script's own
     handler, ``ck.stop_requested()``'s or Lightning's, replaces it) and only under the local
-    launcher: under Slurm the watchdog (:mod:`cyclone_kit.runtime.watchdog`) records a death by
+    launcher: under Slurm the watchdog (:mod:`cyclone_kit.runtime.watchers.rankexit`) records a death by
     signal, and Lightning's auto-requeue, which lets a SIGTERM pass, chains to the handler it found.
     """
     import signal

@@ -37,8 +37,8 @@ from cyclone_kit.core.errors import CommandError, DiskFullError, ResumeRefused, 
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
 from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.runtime.progress import END_TIME_VAR, STEPWATCH_VAR, collective_timeout
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, catch_stop_signals, requeue, should_requeue, under_slurm
+from cyclone_kit.runtime.watchers.stall import END_TIME_VAR, STEPWATCH_VAR, collective_timeout
 
 
 @dataclass
@@ -183,7 +183,7 @@ class Session:
     # ------------------------------------------------------------------ progress
     def progress(self, step: int) -> None:
         """Optimizer step ``step`` is done on this rank: feeds the progress watchdog
-        (:mod:`cyclone_kit.runtime.progress`), started at the first call. Call after every step."""
+        (:mod:`cyclone_kit.runtime.watchers.stall`), started at the first call. Call after every step."""
         if self.watch is None:
             self.watch = start_watch(self)
         if self.watch:
@@ -499,10 +499,10 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
 def start_watch(session: Session) -> Any:
     """This rank's progress watchdog, started (False when ``checkpoint.stall_floor_s`` is 0)."""
     from cyclone_kit.rundir.failures import segment_id
-    from cyclone_kit.runtime import scriptwatch
-    from cyclone_kit.runtime.progress import ProgressWatch, RunDirRecords, StallPolicy
+    from cyclone_kit.runtime.watchers import scriptsteps
+    from cyclone_kit.runtime.watchers.stall import ProgressWatch, RunDirRecords, StallPolicy
 
-    scriptwatch.hand_over()  # a script that calls ck.log_step: the shim's optimizer-step watchdog stops here
+    scriptsteps.hand_over()  # a script that calls ck.log_step: the shim's optimizer-step watchdog stops here
     policy = StallPolicy(session.cc.stall_floor_s, session.cc.stall_factor)
     if not policy.enabled:
         return False
@@ -517,7 +517,7 @@ def on_stall(session: Session, stuck: list[int], records: dict[int, Any]) -> Non
     record (rank 0), and the requeue (the rank that wrote ``failure.json``, under Slurm, when
     allowed and no step watcher does it)."""
     from cyclone_kit.rundir.failures import record_stall, segment_id
-    from cyclone_kit.runtime.progress import stall_failure, stall_requeue
+    from cyclone_kit.runtime.watchers.stall import stall_failure, stall_requeue
 
     env, environ = session.env, session.environ
     job_id = environ.get("SLURM_JOB_ID")

@@ -180,7 +180,7 @@ def requeue(environ: Mapping[str, str]) -> str:
     """Run ``scontrol requeue`` for this job (array task ids as ARRAYJOBID_TASKID); returns the id.
 
     In a container (``CYCLONE_REQUEUE_BY=stepwatch``) the request goes into the run directory instead,
-    and the step watcher requeues when the step has ended (:func:`cyclone_kit.runtime.stepwatch.watch`).
+    and the step watcher requeues when the step has ended (:func:`cyclone_kit.runtime.watchers.jobstep.watch`).
 
     Raises:
         CommandError: scontrol failed or timed out.

@@ -30,7 +30,7 @@ import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.proc import run_command
-from cyclone_kit.runtime import stepwatch
+from cyclone_kit.runtime.watchers import jobstep as stepwatch
 from cyclone_kit.slurm.states import JobState
 from tests.helpers.cli import REPO, run_cli
 from tests.helpers.node_faults import kill_node_processes, node_processes

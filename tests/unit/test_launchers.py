@@ -100,6 +100,6 @@ def test_a_container_wraps_the_rank_command_and_keeps_every_other_rule() -> None
     ({"SLURM_JOB_ID": "7", "CYCLONE_WATCHDOG": "0"}, False),
 ])
 def test_the_rank_watchdog_runs_in_slurm_jobs_but_not_under_the_local_launcher(environ, wanted):
-    from cyclone_kit.runtime import watchdog
+    from cyclone_kit.runtime.watchers import rankexit
 
-    assert watchdog.wanted(environ) is wanted
+    assert rankexit.wanted(environ) is wanted

@@ -14,8 +14,8 @@ import pytest
 
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.layout import RunDir
-from cyclone_kit.runtime import progress as pg
-from cyclone_kit.runtime import stepwatch as sw
+from cyclone_kit.runtime.watchers import jobstep as sw
+from cyclone_kit.runtime.watchers import stall as pg
 
 
 @pytest.fixture(autouse=True)

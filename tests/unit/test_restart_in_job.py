@@ -19,7 +19,7 @@ from cyclone_kit.rundir.restarts import (
     with_first_step,
     write_restarts,
 )
-from cyclone_kit.runtime import stepwatch as sw
+from cyclone_kit.runtime.watchers import jobstep as sw
 from cyclone_kit.submit.render import render_script
 
 ALLOC = ["c1", "c2", "g1"]

@@ -1,4 +1,4 @@
-"""cyclone_kit.runtime.scriptwatch's plumbing with real torch optimizers: armed, it counts every
+"""cyclone_kit.runtime.watchers.scriptsteps's plumbing with real torch optimizers: armed, it counts every
 optimizer step through torch's global hook and writes this rank's progress record; stopped (or
 handed over to ck's watchdog) it removes the hook and marks the record ended. The stall itself
 runs in real ranks in tests/integration/test_stall.py."""
@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cyclone_kit.runtime import importhook, scriptwatch
+from cyclone_kit.runtime import importhook
+from cyclone_kit.runtime.watchers import scriptsteps
 
 torch = pytest.importorskip("torch")
 
@@ -21,9 +22,9 @@ def armed(tmp_path: Path):
     env = SimpleNamespace(rank=0, world_size=1, host="c1", restart_count=0)
     cc = SimpleNamespace(stall_floor_s=60.0, stall_factor=20.0, requeue=False, max_requeues=0)
     ended: list[str] = []
-    yield scriptwatch.arm(tmp_path, env, cc, {"SLURM_JOB_ID": "7"}, ended.append), tmp_path
-    scriptwatch.stop()
-    scriptwatch._STATE = None
+    yield scriptsteps.arm(tmp_path, env, cc, {"SLURM_JOB_ID": "7"}, ended.append), tmp_path
+    scriptsteps.stop()
+    scriptsteps._STATE = None
     importhook._HOOKS.pop("torch.optim.optimizer", None)
 
 
@@ -38,23 +39,23 @@ def _steps(n: int) -> None:
 
 def test_every_optimizer_step_is_a_beat_until_stopped(armed) -> None:
     ok, run_dir = armed
-    assert ok and scriptwatch._STATE is not None and scriptwatch._STATE.hook is not None
+    assert ok and scriptsteps._STATE is not None and scriptsteps._STATE.hook is not None
     _steps(4)
-    assert scriptwatch._STATE.steps == 4 and scriptwatch._STATE.watch.step == 4
-    scriptwatch.stop()
+    assert scriptsteps._STATE.steps == 4 and scriptsteps._STATE.watch.step == 4
+    scriptsteps.stop()
     _steps(2)  # the hook is gone
-    assert scriptwatch._STATE.steps == 4
+    assert scriptsteps._STATE.steps == 4
     record = json.loads((run_dir / "progress" / "rank-00000.json").read_text())
     assert (record["state"], record["step"], record["segment"], record["floor_s"]) == ("ended", 4, "7:0", 60.0)
 
 
 def test_hand_over_before_the_first_step_leaves_no_record(armed) -> None:
     _, run_dir = armed
-    scriptwatch.hand_over()  # ck.log_step's watchdog watches from here
+    scriptsteps.hand_over()  # ck.log_step's watchdog watches from here
     _steps(3)
-    assert scriptwatch._STATE.steps == 0 and not (run_dir / "progress").exists()
+    assert scriptsteps._STATE.steps == 0 and not (run_dir / "progress").exists()
 
 
 def test_a_watchdog_turned_off_is_not_armed(tmp_path: Path) -> None:
     cc = SimpleNamespace(stall_floor_s=0.0, stall_factor=20.0)
-    assert scriptwatch.arm(tmp_path, SimpleNamespace(rank=0), cc, {}, print) is False
+    assert scriptsteps.arm(tmp_path, SimpleNamespace(rank=0), cc, {}, print) is False

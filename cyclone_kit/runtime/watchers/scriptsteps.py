@@ -6,7 +6,7 @@ partner), and the job would burn its wall time. The shim therefore calls :func:`
 script runs: once the script imports ``torch.optim`` (nothing is imported for it), a global
 optimizer step hook (``torch.optim.optimizer.register_optimizer_step_post_hook``, which every
 ``torch.optim`` optimizer runs after ``step()``: plain loops, DDP, FSDP, Lightning, Accelerate,
-Horovod's ``DistributedOptimizer``) feeds a :class:`~cyclone_kit.runtime.progress.ProgressWatch`
+Horovod's ``DistributedOptimizer``) feeds a :class:`~cyclone_kit.runtime.watchers.stall.ProgressWatch`
 started at the first step, with the job's ``checkpoint.stall_floor_s`` and ``stall_factor``.
 
 What the shim cannot see is what is not a step: a validation pass or a checkpoint between
@@ -14,7 +14,7 @@ optimizer steps. Past the bound, a rank whose main thread is not inside a collec
 returning to Python (a probe the watchdog posts with ``Py_AddPendingCall`` runs between two
 bytecodes of the main thread) and kept at least :data:`BUSY_SHARE` of a core busy since its last
 step is counted as working and the wait starts again
-(:func:`~cyclone_kit.runtime.progress.idle_verdict`). A rank that sleeps, waits on a lock, a dead
+(:func:`~cyclone_kit.runtime.watchers.stall.idle_verdict`). A rank that sleeps, waits on a lock, a dead
 file system or a peer is stalled; so is one whose main thread sat in one C call for the whole
 bound, however busy: a GPU rank hung behind a collective that never ends waits at its next host
 sync (``loss.item()``), which spins a core under CUDA's default scheduling in no frame of a known
@@ -110,7 +110,7 @@ def _on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def _start(state: _State) -> Any:
     from cyclone_kit.rundir.failures import segment_id
-    from cyclone_kit.runtime.progress import ProgressWatch, RunDirRecords, StallPolicy
+    from cyclone_kit.runtime.watchers.stall import ProgressWatch, RunDirRecords, StallPolicy
 
     cc, env = state.checkpoint, state.env
     policy = StallPolicy(float(cc.stall_floor_s), float(cc.stall_factor))
@@ -124,8 +124,8 @@ def _on_stall(state: _State, stuck: list[int], records: dict[int, Any]) -> None:
     ``failure.json``, the shim's end record and the requeue (under Slurm, when allowed and no step
     watcher does it)."""
     from cyclone_kit.rundir.failures import record_stall, segment_id
-    from cyclone_kit.runtime.progress import STEPWATCH_VAR, stall_failure, stall_requeue
     from cyclone_kit.runtime.signals import requeue, under_slurm
+    from cyclone_kit.runtime.watchers.stall import STEPWATCH_VAR, stall_failure, stall_requeue
 
     env, environ = state.env, state.environ
     doc, errors = stall_failure(stuck, records, env.world_size, environ.get("SLURM_JOB_ID"), segment_id(environ))

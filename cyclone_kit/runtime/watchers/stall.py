@@ -14,7 +14,7 @@ after every optimizer step: the built-in engines and ``ck.log_step`` call it thr
   and are excluded (:meth:`ProgressWatch.paused`);
 * every few seconds it writes this rank's **progress record** (``progress/rank-N.json``:
   step, time of the last step, bound, state), read by its peers and by the batch host's step
-  watcher (:mod:`cyclone_kit.runtime.stepwatch`);
+  watcher (:mod:`cyclone_kit.runtime.watchers.jobstep`);
 * when this rank made no step for longer than the bound, it dumps every thread's Python stack
   (:mod:`faulthandler`), notes whether the main thread waits inside a collective, marks its
   record ``stalled``, waits a few seconds for its peers' records, and picks the rank(s) that
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: Unix time of the job's end, exported by the step watcher (:mod:`cyclone_kit.runtime.stepwatch`).
+#: Unix time of the job's end, exported by the step watcher (:mod:`cyclone_kit.runtime.watchers.jobstep`).
 END_TIME_VAR = "CYCLONE_JOB_END_TIME"
 #: Set by the step watcher for the ranks: it, not a stalled rank, requeues the job.
 STEPWATCH_VAR = "CYCLONE_STEPWATCH"
@@ -527,7 +527,7 @@ def mark_exited(run_dir: Path, rank: int, pid: int, returncode: int) -> None:
     """The rank's parent saw it exit: its progress record (if it is that process's) says so.
 
     A rank whose record still says ``running`` after its step ended vanished together with its
-    parent (see :func:`cyclone_kit.runtime.stepwatch.vanished`).
+    parent (see :func:`cyclone_kit.runtime.watchers.jobstep.vanished`).
     """
     records = RunDirRecords(run_dir)
     rec = records.read_all().get(rank)
