@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     import cyclone_kit as ck
     from cyclone_kit import api
     from cyclone_kit.runtime.checkpoint import serialized_size
-    from cyclone_kit.runtime.models import build_model
+    from cyclone_kit.runtime.engine.models import build_model
 
     with tempfile.TemporaryDirectory(prefix="ck-bench-async-", dir=args.dir) as tmp:
         run_dir = Path(tmp) / "run"

@@ -268,8 +268,8 @@ fused_sgd_overflow() {
 import sys
 import torch
 from cyclone_kit.config.job import TrainConfig
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.train import make_optimizer, nonfinite_params, optimizer_step, place_model, use_fused_sgd
+from cyclone_kit.runtime.engine.models import build_model
+from cyclone_kit.runtime.engine.dataparallel import make_optimizer, nonfinite_params, optimizer_step, place_model, use_fused_sgd
 kind, model_name, size, classes, batch, steps = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 dev = torch.device("cuda:0" if kind == "cuda" else "cpu")
 # On CUDA the engine's own choice (DDP on a GPU: fused); the CPU dry run forces torch's CPU fused kernel.
@@ -334,9 +334,9 @@ import datetime, socket, sys, time
 import torch, torch.distributed as dist
 from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.plan import resolve_precision
-from cyclone_kit.runtime.train import fsdp_mixed_precision, nonfinite_params, place_model, wrap_model
+from cyclone_kit.runtime.engine.models import build_model
+from cyclone_kit.runtime.engine.plan import resolve_precision
+from cyclone_kit.runtime.engine.dataparallel import fsdp_mixed_precision, nonfinite_params, place_model, wrap_model
 kind, model_name, size, classes, batch, steps = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]

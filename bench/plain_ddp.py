@@ -2,7 +2,7 @@
 
 What a user would write by hand: synthetic data already in memory, ``DistributedDataParallel``
 with its defaults, SGD, cross-entropy, nothing else (no checkpoints, no metrics file, no stop
-agreement, no LR schedule). The model comes from ``cyclone_kit.runtime.models.build_model`` only
+agreement, no LR schedule). The model comes from ``cyclone_kit.runtime.engine.models.build_model`` only
 so that both sides train the very same architecture; it imports neither torchvision (unless
 the model needs it) nor any other part of the runtime.
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from cyclone_kit.runtime.models import build_model
+    from cyclone_kit.runtime.engine.models import build_model
 
     torch.set_num_threads(args.threads)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -2,7 +2,7 @@
 
 Each model's count is its body (tabulated) plus the parts that depend on the job: the classifier
 (``in_features x classes + classes``), the first layer (its input channels, and on ResNets the
-small-image 3x3 stem at 64 px or less, as :mod:`cyclone_kit.runtime.models` builds it) and ViT's
+small-image 3x3 stem at 64 px or less, as :mod:`cyclone_kit.runtime.engine.models` builds it) and ViT's
 position embedding (one 768-wide row per 16 px patch, plus the class token).
 ``tests/unit/test_gradients.py`` checks every entry against the models torchvision builds.
 """

@@ -2,11 +2,11 @@
 
 * :mod:`~cyclone_kit.runtime.env` — ``detect(environ) -> DistEnv`` (pure; no torch).
 * :mod:`~cyclone_kit.runtime.dist` — device choice, threads, process group (torch imported lazily).
-* :mod:`~cyclone_kit.runtime.models`, :mod:`~cyclone_kit.runtime.data` — models by name, data sets
+* :mod:`~cyclone_kit.runtime.engine.models`, :mod:`~cyclone_kit.runtime.engine.data` — models by name, data sets
   and loaders (never downloaded).
-* :mod:`~cyclone_kit.runtime.train` — the engine: one loop, strategies (DDP, FSDP2, Horovod) as
+* :mod:`~cyclone_kit.runtime.engine.dataparallel` — the engine: one loop, strategies (DDP, FSDP2, Horovod) as
   small plug-ins, AMP, accumulation, LR scaling + warm-up, validation, exact resume;
-  :mod:`~cyclone_kit.runtime.pipeline` — the pipeline strategy's own loop on the same session.
+  :mod:`~cyclone_kit.runtime.engine.pipeline` — the pipeline strategy's own loop on the same session.
 * :mod:`~cyclone_kit.runtime.session` — one run segment's shared path (set-up, metrics, stop
   agreement, checkpoints, end record, requeue, teardown): the public API (:mod:`cyclone_kit.api`)
   and the built-in engines (``train``, ``pipeline``) all go through it.

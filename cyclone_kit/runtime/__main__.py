@@ -79,7 +79,7 @@ def _kept_global_batch(spec: Any, world_size: int, environ: Any, rank: int) -> A
         return spec
     import dataclasses
 
-    from cyclone_kit.runtime.plan import keep_global_batch
+    from cyclone_kit.runtime.engine.plan import keep_global_batch
 
     train, said = keep_global_batch(spec.train, world_size, int(raw))
     if said and rank == 0:

@@ -1,6 +1,6 @@
 """Strategy ``horovod``: Horovod's ranks and gradient allreduce inside the engine's loop.
 
-The engine (:func:`cyclone_kit.runtime.train.train`) calls three hooks for this strategy:
+The engine (:func:`cyclone_kit.runtime.engine.dataparallel.train`) calls three hooks for this strategy:
 
 * :func:`horovod_env` first: ``hvd.init()`` and a :class:`DistEnv` from Horovod's own ranks
   (``hvd.rank()``, ``hvd.size()``, ``hvd.local_rank()`` ...). Who gives Horovod its ranks:

@@ -1,7 +1,7 @@
 """One run segment on this rank: the set-up, metrics, stop, checkpoint and requeue path every trainer shares.
 
 The public API (:mod:`cyclone_kit.api`, for user scripts) and the built-in engines
-(:mod:`cyclone_kit.runtime.train`, :mod:`cyclone_kit.runtime.pipeline`) all go through a
+(:mod:`cyclone_kit.runtime.engine.dataparallel`, :mod:`cyclone_kit.runtime.engine.pipeline`) all go through a
 :class:`Session`, so there is one implementation of each of these:
 
 * **set-up** (:func:`open_session`): the stop-signal handlers, torch threads, the device

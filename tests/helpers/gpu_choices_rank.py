@@ -76,7 +76,7 @@ def _poison(grad: Any) -> None:
 
 def force_fused() -> None:
     """Fused SGD where the engine takes it on CUDA."""
-    from cyclone_kit.runtime import train
+    from cyclone_kit.runtime.engine import dataparallel as train
 
     choose = train.use_fused_sgd
     train.use_fused_sgd = lambda strategy, device_kind: choose(strategy, "cuda")
@@ -84,7 +84,7 @@ def force_fused() -> None:
 
 def force_channels_last() -> None:
     """channels_last batches and placement in both engines, as on CUDA."""
-    from cyclone_kit.runtime import train
+    from cyclone_kit.runtime.engine import dataparallel as train
     from tests.helpers.pipeline_rank import force_channels_last as pipeline_nhwc
 
     build_data, place_model = train.build_data, train.place_model
@@ -103,7 +103,8 @@ def force_precision() -> None:
     """The GPU's precision choice, and a CPU GradScaler for the engine's CUDA one."""
     import torch
 
-    from cyclone_kit.runtime import pipeline, plan, train
+    from cyclone_kit.runtime.engine import dataparallel as train
+    from cyclone_kit.runtime.engine import pipeline, plan
 
     resolve = plan.resolve_precision
 
@@ -123,7 +124,8 @@ def watch_steps(run_dir: Path, overflow: bool) -> None:
     """Log every optimizer step (scale before/after, skipped, fused, layout); overflow the first one."""
     import torch
 
-    from cyclone_kit.runtime import pipeline, train
+    from cyclone_kit.runtime.engine import dataparallel as train
+    from cyclone_kit.runtime.engine import pipeline
 
     spec = json.loads((run_dir / "spec.json").read_text())["train"]
     strategy, precision = spec["strategy"], spec["precision"]

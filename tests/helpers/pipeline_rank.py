@@ -40,7 +40,7 @@ def _rank() -> int:
 
 def force_channels_last() -> None:
     """channels_last in the pipeline engine on any device (its CPU default is off)."""
-    from cyclone_kit.runtime import pipeline
+    from cyclone_kit.runtime.engine import pipeline
 
     build_data, build = pipeline.build_data, pipeline._build
 
@@ -56,7 +56,7 @@ def force_channels_last() -> None:
 
 def count_clock(run_dir: Path) -> None:
     """Each read of the stage clock logs the computations and steps it collected."""
-    from cyclone_kit.runtime import pipeline
+    from cyclone_kit.runtime.engine import pipeline
 
     out = run_dir / f"clock-rank-{_rank()}.jsonl"
     counts = {"computations": 0, "steps": 0}

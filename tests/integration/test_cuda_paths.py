@@ -17,8 +17,8 @@ import sys, datetime
 import torch, torch.distributed as dist
 from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.train import place_model, wrap_model
+from cyclone_kit.runtime.engine.models import build_model
+from cyclone_kit.runtime.engine.dataparallel import place_model, wrap_model
 
 rank, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -201,7 +201,7 @@ HVD_CHILD = r"""
 import json, sys
 import torch
 import horovod.torch as hvd
-from cyclone_kit.runtime.train import optimizer_step
+from cyclone_kit.runtime.engine.dataparallel import optimizer_step
 
 mode, out = sys.argv[1], sys.argv[2]
 hvd.init()
@@ -265,8 +265,8 @@ STAGES_CHILD = r"""
 import datetime, json, sys
 import torch, torch.distributed as dist
 from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.runtime.pipeline import LossScale, to_cpu
-from cyclone_kit.runtime.train import gather_to_main
+from cyclone_kit.runtime.engine.pipeline import LossScale, to_cpu
+from cyclone_kit.runtime.engine.dataparallel import gather_to_main
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

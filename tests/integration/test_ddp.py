@@ -17,7 +17,7 @@ import torch
 
 from cyclone_kit.rundir import contract
 from cyclone_kit.runtime import checkpoint as ck
-from cyclone_kit.runtime.data import DEBIAN_FASHION_MNIST
+from cyclone_kit.runtime.engine.data import DEBIAN_FASHION_MNIST
 from tests.helpers.ranks import (
     TIMEOUT_S,
     final_params,

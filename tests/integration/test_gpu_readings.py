@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 import horovod.torch as hvd
 from cyclone_kit.runtime.dist import DeviceChoice
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.train import make_optimizer, place_model, strategy_for, wrap_model
+from cyclone_kit.runtime.engine.models import build_model
+from cyclone_kit.runtime.engine.dataparallel import make_optimizer, place_model, strategy_for, wrap_model
 from cyclone_kit.config.job import TrainConfig
 
 mode, out = sys.argv[1], sys.argv[2]
@@ -95,8 +95,8 @@ import datetime, json, sys
 import torch, torch.distributed as dist
 import torch.nn.functional as F
 from cyclone_kit.runtime.dist import DeviceChoice
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.train import make_optimizer, place_model, wrap_model
+from cyclone_kit.runtime.engine.models import build_model
+from cyclone_kit.runtime.engine.dataparallel import make_optimizer, place_model, wrap_model
 from cyclone_kit.config.job import TrainConfig
 
 rank, port, precision, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]

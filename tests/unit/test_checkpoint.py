@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cyclone_kit.runtime import checkpoint as ck
-from cyclone_kit.runtime.plan import lr_factor, make_plan, resolve_precision, scaled_lr
-from cyclone_kit.runtime.train import use_static_graph
+from cyclone_kit.runtime.engine.dataparallel import use_static_graph
+from cyclone_kit.runtime.engine.plan import lr_factor, make_plan, resolve_precision, scaled_lr
 
 
 def _state(step: int) -> dict:
@@ -170,8 +170,8 @@ def test_unavailable_strategies_are_a_validation_error(strategy: str) -> None:
     from cyclone_kit.config.job import TrainConfig
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.runtime.dist import DeviceChoice
-    from cyclone_kit.runtime.models import TinyCNN
-    from cyclone_kit.runtime.train import STRATEGIES, wrap_model
+    from cyclone_kit.runtime.engine.dataparallel import STRATEGIES, wrap_model
+    from cyclone_kit.runtime.engine.models import TinyCNN
 
     with pytest.raises(ValidationError, match="not available yet") as err:
         wrap_model(strategy, TinyCNN(), DeviceChoice("cpu", None, "cpu", "gloo"), TrainConfig(), distributed=True)
@@ -181,8 +181,8 @@ def test_unavailable_strategies_are_a_validation_error(strategy: str) -> None:
 def test_single_process_needs_no_wrapper() -> None:
     from cyclone_kit.config.job import TrainConfig
     from cyclone_kit.runtime.dist import DeviceChoice
-    from cyclone_kit.runtime.models import TinyCNN
-    from cyclone_kit.runtime.train import wrap_model
+    from cyclone_kit.runtime.engine.dataparallel import wrap_model
+    from cyclone_kit.runtime.engine.models import TinyCNN
 
     model = TinyCNN()
     for strategy in ("ddp", "fsdp"):

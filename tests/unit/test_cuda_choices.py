@@ -11,8 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cyclone_kit.config.job import TrainConfig
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.train import (
+from cyclone_kit.runtime.engine.dataparallel import (
     CONTIGUOUS_PARAMS,
     fsdp_mixed_precision,
     fsdp_norm_policy,
@@ -20,6 +19,7 @@ from cyclone_kit.runtime.train import (
     place_model,
     use_fused_sgd,
 )
+from cyclone_kit.runtime.engine.models import build_model
 
 
 class HostReads(TorchDispatchMode):
@@ -69,7 +69,7 @@ def test_fused_sgd_takes_the_grad_scaler_step_without_reading_found_inf_on_the_h
 
 def _pipeline_scaled_step(fused: bool, inf: bool) -> tuple[int, float, bool, float]:
     """One LossScale step of a pipeline stage; (host reads, the flag, weights changed, new scale)."""
-    from cyclone_kit.runtime.pipeline import LossScale
+    from cyclone_kit.runtime.engine.pipeline import LossScale
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -97,7 +97,7 @@ def test_pipeline_loss_scale_skips_an_overflow_on_the_device_with_fused_sgd() ->
 
 
 def _weights_after(fused: bool) -> torch.Tensor:
-    from cyclone_kit.runtime.pipeline import LossScale
+    from cyclone_kit.runtime.engine.pipeline import LossScale
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -227,7 +227,7 @@ def test_the_shim_names_a_one_gpu_per_task_layout(visible, local_rank, local_wor
 def test_a_plain_sgd_checkpoint_resumed_into_fused_sgd_keeps_the_fused_kernel() -> None:
     """A state dict carries fused=False from its writer; loaded as is, the next GradScaler step of the
     fused optimizer would give grad_scale/found_inf to the plain kernel, which asserts they are None."""
-    from cyclone_kit.runtime.train import keep_kernel_choice
+    from cyclone_kit.runtime.engine.dataparallel import keep_kernel_choice
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -259,7 +259,7 @@ def _overflow_then_good_step(opt: torch.optim.Optimizer, model: torch.nn.Module,
                              x: torch.Tensor) -> list[Any]:
     """Step 1: an inf gradient (GradScaler skips it); step 2: a finite one. Returns the momentum
     buffers as they were between the two steps."""
-    from cyclone_kit.runtime.train import optimizer_step
+    from cyclone_kit.runtime.engine.dataparallel import optimizer_step
 
     scaler.scale(model(x).square().mean()).backward()
     model.weight.grad[0, 0] = float("inf")  # type: ignore[index]
@@ -280,8 +280,8 @@ def test_fused_sgd_after_an_overflowed_first_step_trains_like_plain_sgd(start: s
     the kernel returns at once on found_inf, yet the buffers are kept: the next step computed
     momentum * garbage + grad (NaN weights). The engine's optimizer (make_optimizer; the resume path
     _restore) zero-seeds them, so a skipped first step then a good one equals plain SGD's run."""
+    from cyclone_kit.runtime.engine.dataparallel import _restore
     from cyclone_kit.runtime.env import DistEnv
-    from cyclone_kit.runtime.train import _restore
 
     tc = TrainConfig(momentum=0.9, weight_decay=5e-4)
     results = {}
@@ -309,7 +309,7 @@ def test_fused_sgd_after_an_overflowed_first_step_trains_like_plain_sgd(start: s
 
 
 def test_nonfinite_params_counts_the_tensors_holding_nan_or_inf_without_reading_the_host() -> None:
-    from cyclone_kit.runtime.train import nonfinite_params
+    from cyclone_kit.runtime.engine.dataparallel import nonfinite_params
 
     ok = [torch.ones(3), torch.full((2,), 1e30), torch.ones(2, dtype=torch.bfloat16), torch.empty(0)]
     with HostReads() as reads:

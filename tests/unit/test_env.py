@@ -247,7 +247,7 @@ def test_device_layouts(count: int, local_world: int, local_rank: int, expected:
 def test_auto_precision_is_fp16_below_sm80_and_bf16_from_it(capability: tuple[int, int], native: bool) -> None:
     """Item 1: torch.cuda.is_bf16_supported() is True on a V100 (emulation); the choice uses native bf16."""
     from cyclone_kit.runtime.dist import DeviceChoice
-    from cyclone_kit.runtime.plan import resolve_precision
+    from cyclone_kit.runtime.engine.plan import resolve_precision
 
     d = DeviceChoice("cuda", 0, "gpu", "nccl", capability=capability)
     assert d.native_bf16 is native

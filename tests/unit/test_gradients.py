@@ -8,7 +8,7 @@ import torch
 from cyclone_kit.analysis.gradients import KNOWN_MODELS, parameter_count
 from cyclone_kit.config.job import MODELS
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.runtime.models import build_model
+from cyclone_kit.runtime.engine.models import build_model
 
 #: (classes, image size, channels): ImageNet-sized (7x7 stem) and small one-channel (3x3 stem) inputs.
 SHAPES = [(1000, 224, 3), (10, 28, 1)]

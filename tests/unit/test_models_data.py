@@ -14,7 +14,7 @@ import torch
 
 from cyclone_kit.config.job import MODELS, TrainConfig
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.runtime.data import (
+from cyclone_kit.runtime.engine.data import (
     DEBIAN_FASHION_MNIST,
     ResumableSampler,
     auto_workers,
@@ -22,8 +22,8 @@ from cyclone_kit.runtime.data import (
     load_fashion_mnist,
     random_crop_flip,
 )
+from cyclone_kit.runtime.engine.models import build_model
 from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.runtime.models import build_model
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -144,7 +144,7 @@ def test_cifar10_loader_on_files_in_cifar_format(tmp_path: Path) -> None:
 
 
 def test_cifar10_pixel_layout_matches_the_format(tmp_path: Path) -> None:
-    from cyclone_kit.runtime.data import load_cifar10
+    from cyclone_kit.runtime.engine.data import load_cifar10
 
     folder = _write_cifar(tmp_path, per_batch=2)
     with open(folder / "data_batch_1", "rb") as f:

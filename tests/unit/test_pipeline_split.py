@@ -17,9 +17,9 @@ import torch
 
 from cyclone_kit.analysis.pipeline import ideal_bubble, pipeline_summary, section
 from cyclone_kit.core.errors import ValidationError
-from cyclone_kit.runtime import pipeline_split as ps
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.pipeline import input_format, layout
+from cyclone_kit.runtime.engine import pipeline_split as ps
+from cyclone_kit.runtime.engine.models import build_model
+from cyclone_kit.runtime.engine.pipeline import input_format, layout
 
 
 def _brute_force_bottleneck(times: list[float], stages: int) -> float:

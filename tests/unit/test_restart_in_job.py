@@ -226,7 +226,7 @@ def test_segment_view_leaves_out_the_records_of_the_step_before_a_restart(tmp_pa
 
 def test_keep_global_batch_accumulates_on_a_shrunk_world():
     from cyclone_kit.config.job import TrainConfig
-    from cyclone_kit.runtime.plan import keep_global_batch
+    from cyclone_kit.runtime.engine.plan import keep_global_batch
 
     tc = TrainConfig(model="tiny_cnn", batch_size=32)
     kept, said = keep_global_batch(tc, 1, 64)

@@ -83,7 +83,7 @@ def test_rendezvous_plan_sizes_horovods_scopes() -> None:
 
 
 def test_loss_scale_skips_a_step_with_inf_gradients_and_halves_the_scale() -> None:
-    from cyclone_kit.runtime.pipeline import LossScale
+    from cyclone_kit.runtime.engine.pipeline import LossScale
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=1.0)

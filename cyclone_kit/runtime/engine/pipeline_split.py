@@ -51,7 +51,7 @@ class Block:
 
 def _chain(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     """The model's forward as a chain of candidate blocks, each a list of (prefix, module) parts."""
-    from cyclone_kit.runtime.models import TinyCNN
+    from cyclone_kit.runtime.engine.models import TinyCNN
 
     if isinstance(model, TinyCNN):  # conv, norm, ReLU (+ the pool): one block each
         f = model.features

@@ -1,6 +1,6 @@
 """The training engine: data-parallel training of a torchvision model, with metrics and checkpoints.
 
-The schedule maths is in :mod:`cyclone_kit.runtime.plan` (shared with the pipeline); :func:`train`
+The schedule maths is in :mod:`cyclone_kit.runtime.engine.plan` (shared with the pipeline); :func:`train`
 is the loop; :mod:`cyclone_kit.runtime.engine` picks this loop or the pipeline's. Properties it keeps:
 
 * **Correct DDP**: N ranks with batch B follow the same trajectory as 1 rank with batch N*B
@@ -38,11 +38,10 @@ from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime import phases as ph
 from cyclone_kit.runtime import power
-from cyclone_kit.runtime.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
-from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.plan import (
+from cyclone_kit.runtime.engine.data import Data, auto_workers, build_data
+from cyclone_kit.runtime.engine.models import build_model
+from cyclone_kit.runtime.engine.plan import (
     Plan,
     begin_segment,
     configure_backends,
@@ -51,6 +50,7 @@ from cyclone_kit.runtime.plan import (
     resolve_precision,
     seed_everything,
 )
+from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
 
@@ -85,7 +85,7 @@ def place_model(model: nn.Module, dev: torch.device, strategy: str, channels_las
 
 def use_fused_sgd(strategy: str, device_kind: str) -> bool:
     """Whether the engine's SGD is ``fused=True`` (pure): on CUDA under DDP (and on one GPU) and in the
-    pipeline (whose :class:`~cyclone_kit.runtime.pipeline.LossScale` hands the kernel the same tensors).
+    pipeline (whose :class:`~cyclone_kit.runtime.engine.pipeline.LossScale` hands the kernel the same tensors).
 
     Fused SGD sets ``_step_supports_amp_scaling``, so ``GradScaler.step`` hands it ``grad_scale``
     and ``found_inf`` as tensors and the kernel skips an overflowed step on the device; plain SGD
@@ -135,7 +135,7 @@ def seed_momentum(optimizer: torch.optim.Optimizer) -> int:
 def fsdp_mixed_precision(precision: str) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` for the run's resolved precision, or None for fp32.
 
-    bf16 (compute capability 8.0+, :func:`~cyclone_kit.runtime.plan.resolve_precision`): bf16
+    bf16 (compute capability 8.0+, :func:`~cyclone_kit.runtime.engine.plan.resolve_precision`): bf16
     unsharded parameters, all-gathers and gradient reduce-scatters; fp16 (below 8.0, with the
     GradScaler) likewise in fp16. Without a policy FSDP2 moves fp32, twice the bytes, while
     autocast computes in 16 bits anyway. The sharded parameters and the optimizer stay fp32.

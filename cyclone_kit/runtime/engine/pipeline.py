@@ -9,7 +9,7 @@ the backward, and BatchNorm statistics follow replica 0's (DDP's ``broadcast_buf
 can be 4 stages x 4 replicas; a replica's global batch is ``train.batch_size`` and the run's is
 ``batch_size x replicas x grad_accum``, as DDP over ``replicas`` ranks.
 
-**Stages** (:mod:`~cyclone_kit.runtime.pipeline_split`): cut at block granularity and balanced by
+**Stages** (:mod:`~cyclone_kit.runtime.engine.pipeline_split`): cut at block granularity and balanced by
 each block's forward+backward time measured on the device at the start (rank 0 measures, every
 rank uses its split; a resumed run reuses the split its checkpoint recorded).
 
@@ -49,14 +49,13 @@ from cyclone_kit.config.job import PIPELINE_SCHEDULES, JobSpec
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.contract import pipeline_step_fields
 from cyclone_kit.runtime import metrics as mx
-from cyclone_kit.runtime import pipeline_split as split
 from cyclone_kit.runtime import torchcompat
 from cyclone_kit.runtime.checkpoint import pipeline as pck
-from cyclone_kit.runtime.data import auto_workers, build_data
 from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
-from cyclone_kit.runtime.env import DistEnv
-from cyclone_kit.runtime.models import build_model
-from cyclone_kit.runtime.plan import (
+from cyclone_kit.runtime.engine import pipeline_split as split
+from cyclone_kit.runtime.engine.data import auto_workers, build_data
+from cyclone_kit.runtime.engine.models import build_model
+from cyclone_kit.runtime.engine.plan import (
     begin_segment,
     configure_backends,
     lr_factor,
@@ -64,6 +63,7 @@ from cyclone_kit.runtime.plan import (
     resolve_precision,
     seed_everything,
 )
+from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.session import Session, open_session
 from cyclone_kit.runtime.signals import NONE, StopFlag
 
@@ -442,7 +442,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
                    stop_flag: StopFlag | None = None) -> str:
     """Train ``spec`` with the pipeline strategy on this rank.
 
-    Same contract as :func:`cyclone_kit.runtime.train.train`: returns ``completed`` or
+    Same contract as :func:`cyclone_kit.runtime.engine.dataparallel.train`: returns ``completed`` or
     ``preempted``; writes metrics (rank 0), rank summaries and checkpoints.
 
     Raises:
@@ -506,9 +506,9 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
 
 
 def _optimizer(params: Sequence[torch.Tensor], lr: float, tc: Any, device_kind: str) -> torch.optim.Optimizer:
-    """The stages' SGD: fused where the DDP engine's is (CUDA, :func:`~cyclone_kit.runtime.train.use_fused_sgd`),
+    """The stages' SGD: fused where the DDP engine's is (CUDA, :func:`~cyclone_kit.runtime.engine.dataparallel.use_fused_sgd`),
     so that :class:`LossScale` skips an overflowed fp16 step on the device; fused momentum buffers seeded."""
-    from cyclone_kit.runtime import train as engine  # looked up at call time (tests force the CUDA choice)
+    from cyclone_kit.runtime.engine import dataparallel as engine  # looked up at call time (tests force the CUDA choice)
 
     extra = {"fused": True} if engine.use_fused_sgd("pipeline", device_kind) else {}
     optimizer = torch.optim.SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay, **extra)
@@ -602,7 +602,7 @@ class _Loop:
         return status
 
     def _log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: dict[str, float]) -> None:
-        from cyclone_kit.runtime.train import nonfinite_params
+        from cyclone_kit.runtime.engine.dataparallel import nonfinite_params
 
         n = int(window["steps"])
         # The window's loss and how many of the stages' parameter tensors are not finite: one all-reduce.
@@ -629,15 +629,15 @@ class _Loop:
 
     def _judge_params(self, step: int, bad: int) -> None:
         """Stop (every rank: ``bad`` was all-reduced) when parameters are not finite, unless the spec
-        allows it: the DDP/FSDP engine's rule and error (:func:`cyclone_kit.runtime.train.judge_params`)."""
-        from cyclone_kit.runtime.train import judge_params
+        allows it: the DDP/FSDP engine's rule and error (:func:`cyclone_kit.runtime.engine.dataparallel.judge_params`)."""
+        from cyclone_kit.runtime.engine.dataparallel import judge_params
 
         self.params_checked_at = step
         self.params_warned |= judge_params(step, bad, self.tc, self.env.is_main and not self.params_warned)
 
     def _check_params(self, step: int) -> None:
         """Before a checkpoint: the stages' parameters' finiteness, unless the last log step checked it."""
-        from cyclone_kit.runtime.train import count_nonfinite
+        from cyclone_kit.runtime.engine.dataparallel import count_nonfinite
 
         if self.params_checked_at != step:
             self._judge_params(step, count_nonfinite(self.pipe.params, self.dev, self.session.distributed))
@@ -717,7 +717,7 @@ class _Loop:
     def resume(self, found: tuple[dict[str, Any], Path]) -> int:
         """Load ``found`` (the newest checkpoint, chosen by rank 0) into this rank's stages; its step."""
         from cyclone_kit.runtime import checkpoint as ckpt
-        from cyclone_kit.runtime.train import seed_momentum
+        from cyclone_kit.runtime.engine.dataparallel import seed_momentum
 
         state, path = found
         fmt = state.get("optimizer_format")
