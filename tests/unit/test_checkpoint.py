@@ -165,7 +165,7 @@ def test_resolve_precision(requested: str, kind: str, bf16: bool, expected: str)
     assert resolve_precision(requested, kind, bf16) == expected
 
 
-@pytest.mark.parametrize("strategy", ["pipeline"])  # pipeline has its own loop (runtime/engine.py), no model wrapper
+@pytest.mark.parametrize("strategy", ["pipeline"])  # pipeline has its own engine (runtime/engine/pipeline.py), no model wrapper
 def test_unavailable_strategies_are_a_validation_error(strategy: str) -> None:
     from cyclone_kit.config.job import TrainConfig
     from cyclone_kit.core.errors import ValidationError

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from cyclone_kit.core.errors import DiskFullError
+from cyclone_kit.core.errors import DiskFullError, ValidationError
 from cyclone_kit.rundir.fileio import atomic_file, disk_full_message, free_bytes, is_disk_full, write_atomic
 
 FORMAT = 1
@@ -458,3 +458,48 @@ def _py_state(state: tuple[Any, ...]) -> list[Any]:
     version, internal, gauss = state
     return [version, list(internal), gauss]
 
+
+def load_states(state: dict[str, Any], model: Any, optimizer: torch.optim.Optimizer, sharded: bool,
+                folder: Path | None) -> None:
+    """Load the model and optimizer of checkpoint ``state`` (found in ``folder``), whichever writer made it:
+    FSDP shards (``dcp``, an FSDP run of several ranks only), a pipeline's stages (``pipeline-dcp``, by the
+    full model's names), full state dicts by parameter names (``fqn``: FSDP's full state; needed by a
+    ``sharded`` model), or plain ``state_dict``s (DDP, Horovod, one rank).
+
+    Raises:
+        ValidationError: the checkpoint's format cannot be resumed by this run.
+    """
+    fqn = state.get("optimizer_format") == "fqn"
+    if state.get("optimizer_format") == "dcp":  # FSDP shards (checkpoint.sharded) in folder/ckpt-N.dcp
+        from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
+
+        if not sharded or folder is None:
+            raise ValidationError(
+                f"checkpoint of step {state['step']} holds FSDP shards (checkpoint.sharded); "
+                "only an FSDP run with several ranks can resume it",
+                hint="resume with train.strategy=fsdp on 2 or more ranks, or start a new run directory",
+            )
+        fsdp_ckpt.load_sharded(folder, state, model, optimizer)
+    elif state.get("optimizer_format") == "pipeline-dcp" and not sharded and folder is not None:
+        from cyclone_kit.runtime.checkpoint import pipeline as pipeline_ckpt  # a pipeline's stages, by the full model's names
+
+        pipeline_ckpt.load_full(folder / state["model"]["dcp"], model, optimizer)
+    elif sharded or fqn:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if not fqn:
+            raise ValidationError(
+                f"checkpoint of step {state['step']} was written by a {state.get('strategy', 'ddp')} run; "
+                "an FSDP run cannot resume its optimizer state",
+                hint="resume with the strategy that wrote it, or start a new run directory",
+            )
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=full)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])

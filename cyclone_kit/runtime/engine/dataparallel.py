@@ -1,7 +1,9 @@
-"""The training engine: data-parallel training of a torchvision model, with metrics and checkpoints.
+"""The data-parallel engine (DDP, FSDP2, Horovod): training of a torchvision model, with metrics and checkpoints.
 
-The schedule maths is in :mod:`cyclone_kit.runtime.engine.plan` (shared with the pipeline); :func:`train`
-is the loop; :mod:`cyclone_kit.runtime.engine` picks this loop or the pipeline's. Properties it keeps:
+The schedule maths is in :mod:`cyclone_kit.runtime.engine.plan` and the loop skeleton in
+:mod:`cyclone_kit.runtime.engine.loop` (both shared with the pipeline); :func:`train` sets up a segment
+and its :class:`_Loop` supplies the step, the log line, validation and the checkpoint's state;
+:mod:`cyclone_kit.runtime.engine` picks this engine or the pipeline's. Properties it keeps:
 
 * **Correct DDP**: N ranks with batch B follow the same trajectory as 1 rank with batch N*B
   (gradients averaged; the learning rate scaled by the global batch, Goyal et al. 2017).
@@ -32,14 +34,21 @@ import torch
 from torch import nn
 
 from cyclone_kit.config.job import JobSpec, TrainConfig
-from cyclone_kit.core.errors import TrainingDiverged, ValidationError
+from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
-from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime import phases as ph
 from cyclone_kit.runtime import power
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
 from cyclone_kit.runtime.engine.data import Data, auto_workers, build_data
+from cyclone_kit.runtime.engine.loop import (
+    SegmentLoop,
+    Window,
+    count_nonfinite,
+    judge_params,
+    nonfinite_params,
+    params_diverged,
+)
 from cyclone_kit.runtime.engine.models import build_model
 from cyclone_kit.runtime.engine.plan import (
     Plan,
@@ -52,7 +61,7 @@ from cyclone_kit.runtime.engine.plan import (
 )
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session
-from cyclone_kit.runtime.signals import NONE, StopFlag
+from cyclone_kit.runtime.signals import StopFlag
 
 __all__ = ["CONTIGUOUS_PARAMS", "STRATEGIES", "Strategy", "count_nonfinite", "fsdp_mixed_precision", "fsdp_norm_policy",
            "gather_hosts", "gather_to_main", "judge_params", "keep_kernel_choice", "make_optimizer", "nonfinite_params",
@@ -168,60 +177,6 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Any, horovod: bool 
     else:
         scaler.step(optimizer)
     scaler.update()
-
-
-def nonfinite_params(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """How many of ``params`` hold a NaN or an infinity: a 0-d float32 tensor on their device, computed
-    without a host sync (read it where the host syncs anyway, e.g. with the logged loss).
-
-    One ``torch._foreach_norm(..., inf)`` over the tensors (the largest magnitude: NaN when an element
-    is NaN, inf when one is infinite; unlike a 2-norm it cannot overflow on large finite values); a
-    DTensor (FSDP2) counts its local shard, empty shards are skipped; all tensors on one device.
-    """
-    tensors = []
-    for p in params:
-        t = p.detach()
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if t.numel():
-            tensors.append(t)
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(tensors, float("inf"))
-    return torch.stack([n.float() for n in norms]).isfinite().logical_not().sum(dtype=torch.float32)
-
-
-def judge_params(step: int, bad: int, train: TrainConfig, warn_now: bool) -> bool:
-    """What ``bad`` non-finite parameter tensors after optimizer step ``step`` mean (the engine's and the
-    pipeline's rule): :func:`params_diverged` is raised unless ``train.allow_nonfinite_params``; else the
-    warning is printed when ``warn_now`` (rank 0, the first time). Returns whether it printed."""
-    if not bad:
-        return False
-    if not train.allow_nonfinite_params:
-        raise params_diverged(step, bad, train.log_every)
-    if warn_now:
-        print(f"cyclone_kit: warning: {bad} parameter tensor(s) of the model hold NaN or inf after step {step}: "
-              "the parameters are not finite; training goes on (train.allow_nonfinite_params)", flush=True)
-    return warn_now
-
-
-def count_nonfinite(params: Iterable[torch.Tensor], device: torch.device, distributed: bool) -> int:
-    """:func:`nonfinite_params` summed over every rank (one all-reduce when ``distributed``; a host sync)."""
-    bad = nonfinite_params(params).to(device)
-    if distributed:
-        import torch.distributed as dist
-
-        dist.all_reduce(bad, op=dist.ReduceOp.SUM)
-    return int(bad.item())
-
-
-def params_diverged(step: int, bad: int, log_every: int) -> TrainingDiverged:
-    """The error for ``bad`` parameter tensors found NaN/inf after step ``step`` (pure)."""
-    return TrainingDiverged(
-        f"{bad} parameter tensor(s) of the model hold NaN or inf after step {step} (checked every "
-        f"train.log_every = {log_every} steps and before each checkpoint): the weights cannot recover",
-        hint="resume from the newest checkpoint (none holds non-finite weights) with a lower train.lr, "
-             "warm-up (train.warmup_steps) or train.precision=bf16/fp32, or set train.allow_nonfinite_params=true "
-             "to train on anyway")
 
 
 def use_static_graph(train: TrainConfig) -> bool:
@@ -366,7 +321,7 @@ class Strategy:
         return self.wrap(model, device, train, distributed)
 
 
-#: strategy name -> its plug-in of the one loop (the pipeline has a loop of its own: runtime/engine.py).
+#: strategy name -> its plug-in of this engine (the pipeline has an engine of its own on the same loop: engine/pipeline.py).
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy(_wrap_ddp, time_comm=lambda timer, wrapped, model, opt: timer.attach_ddp(wrapped)),
     "fsdp": Strategy(_wrap_fsdp, no_sync=lambda wrapped: _fsdp_no_sync(wrapped), sharded=True,
@@ -415,19 +370,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- the engine
-@dataclass
-class _Window:
-    """Timing of the steps since the last log line (host clock; synced at log steps)."""
-
-    start: float
-    steps: int = 0
-    data_s: float = 0.0
-
-
-
-
-
-
 def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str],
           stop_flag: StopFlag | None = None) -> str:
     """Train ``spec`` on this rank; returns the end status (``completed`` or ``preempted``).
@@ -499,15 +441,12 @@ def train(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[str, str]
 
     loop = _Loop(spec, session, strategy, dev, data, plan, precision, model, runner, wrapped, optimizer, scheduler,
                  scaler, timer)
-    try:
-        return loop.run(step)
-    except BaseException:
-        session.end("failed", loop.step, plan.total_steps)
-        raise
+    return loop.run(step)  # the skeleton (engine/loop.py); a failure writes the ``failed`` end record first
 
 
-class _Loop:
-    """The mutable state of one training segment (private; built by :func:`train`)."""
+class _Loop(SegmentLoop):
+    """One training segment of the data-parallel engine: the skeleton's step, log, validation and
+    checkpoint for DDP, FSDP2 and Horovod (private; built by :func:`train`)."""
 
     def __init__(self, spec: JobSpec, session: Session, strategy: Strategy, dev: torch.device, data: Data, plan: Plan,
                  precision: str, model: nn.Module, runner: nn.Module, wrapped: nn.Module,
@@ -520,19 +459,16 @@ class _Loop:
         self.model, self.runner, self.wrapped = model, runner, wrapped
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.distributed = session.distributed
-        self.step = 0
+        self.start_state()
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.autocast = (lambda: torch.autocast(device_type=dev.type, dtype=dtype)) if dtype else contextlib.nullcontext
         self.criterion = nn.CrossEntropyLoss()
         self.sharded = strategy.sharded and session.distributed
         self.no_sync = strategy.no_sync(wrapped) if session.distributed else None
-        self.bar: Any = None
-        self.params_checked_at = -1  # the step whose parameters were last found finite (or allowed)
-        self.params_warned = False
         self.energy = power.start_meter(dev)  # NVML, GPU runs with nvidia-ml-py only; None otherwise
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
-    def _step(self, batches: Any, window: _Window, loss_sum: torch.Tensor) -> torch.Tensor:
+    def train_step(self, batches: Any, window: Window, loss_sum: torch.Tensor) -> torch.Tensor:
         accum, timer = self.plan.grad_accum, self.timer
         for micro in range(accum):
             t0 = time.perf_counter()
@@ -560,69 +496,24 @@ class _Loop:
             timer.step_done()
         return loss_sum
 
-    def run(self, start_step: int) -> str:
-        """Train from ``start_step`` to the plan's end or an agreed stop; returns the status."""
-        plan, tc, cc, env, session = self.plan, self.tc, self.cc, self.env, self.session
-        self.step = step = start_step
-        epoch = step // plan.steps_per_epoch
-        self._start_epoch(epoch, step)
-        batches = iter(self.data.train)
-        epoch_t0 = time.perf_counter()
-        window = self._open_window()
-        loss_sum = torch.zeros((), device=self.dev)
-        agreed = NONE
-        self.bar = _progress(env, plan.total_steps, step)
-        self.model.train()
-        while step < plan.total_steps:
-            loss_sum = self._step(batches, window, loss_sum)
-            step += 1
-            self.step = step
-            window.steps += 1
-            if self.bar is not None:
-                self.bar.update(1)
-            if step % tc.log_every == 0 or step == plan.total_steps:
-                self._log(step, epoch, loss_sum, window)
-                loss_sum = torch.zeros((), device=self.dev)
-                window = self._open_window()
-            session.progress(step)  # the progress watchdog
-            agreed = session.poll(step)
-            if agreed != NONE:
-                break
-            if cc.every_steps and step % cc.every_steps == 0 and step < plan.total_steps:
-                self._checkpoint(step, epoch)
-            if step % plan.steps_per_epoch == 0:
-                self._end_epoch(epoch, time.perf_counter() - epoch_t0, validate=self._val_due(epoch))
-                epoch += 1
-                if step < plan.total_steps:
-                    self._start_epoch(epoch, step)
-                    batches = iter(self.data.train)
-                    epoch_t0 = time.perf_counter()
-        session.settle()
-        if self.bar is not None:
-            self.bar.close()
-        if agreed == NONE and step % plan.steps_per_epoch:
-            self._end_epoch(epoch, time.perf_counter() - epoch_t0, validate=tc.val_every_epochs > 0)
-        self._checkpoint(step, epoch)
-        status = "completed" if agreed == NONE else session.stop_status()  # a user's cancel: cancelled
-        # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
-        session.end(status, step, plan.total_steps,
-                    energy_j=self.energy.stop() if self.energy is not None else None)
-        return status
-
-    def _open_window(self) -> _Window:
+    def open_window(self) -> Window:
         if self.timer is not None:
             self.timer.open()
-        return _Window(time.perf_counter())
+        return Window(time.perf_counter())
 
-    def _start_epoch(self, epoch: int, step: int) -> None:
-        within = step - epoch * self.plan.steps_per_epoch
-        self.data.train.set_epoch(epoch, within * self.plan.grad_accum)
+    def progress_bar(self, total: int, initial: int) -> Any:
+        return _progress(self.env, total, initial)
 
-    def _val_due(self, epoch: int) -> bool:
-        every = self.tc.val_every_epochs
-        return every > 0 and (epoch + 1) % every == 0
+    def begin(self) -> None:
+        self.model.train()
 
-    def _log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: _Window) -> None:
+    def end_fields(self) -> dict[str, Any]:
+        return {"energy_j": self.energy.stop() if self.energy is not None else None}
+
+    def params(self) -> Iterable[torch.Tensor]:
+        return self.model.parameters()
+
+    def log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: Window) -> None:
         # The window's mean loss and how many parameter tensors are not finite: one all-reduce, one host read.
         packed = torch.stack([loss_sum / max(window.steps, 1), nonfinite_params(self.model.parameters()).to(self.dev)])
         if self.distributed:
@@ -643,27 +534,10 @@ class _Loop:
                 print(f"step {step}/{self.plan.total_steps} epoch {epoch} loss {value:.4f} "
                       f"step {elapsed / n * 1000:.1f} ms data {window.data_s / n * 1000:.1f} ms "
                       f"{global_rate:.1f} samples/s", flush=True)
-        self._judge_params(step, int(bad))
-
-    def _judge_params(self, step: int, bad: int) -> None:
-        """Stop (every rank: ``bad`` was all-reduced) when parameters are not finite, unless the spec allows it."""
-        self.params_checked_at = step
-        self.params_warned |= judge_params(step, bad, self.tc, self.env.is_main and not self.params_warned)
-
-    def _check_params(self, step: int) -> None:
-        """Before a checkpoint: the parameters' finiteness, unless the last log step checked it."""
-        if self.params_checked_at != step:
-            self._judge_params(step, count_nonfinite(self.model.parameters(), self.dev, self.distributed))
-
-    def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
-        with self.session.not_a_step():
-            accuracy = self._validate() if validate and self.data.val is not None else None
-        self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
-        if self.env.is_main and accuracy is not None:
-            print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
+        self.judge_params(step, int(bad))
 
     @torch.no_grad()
-    def _validate(self) -> float | None:
+    def validate(self) -> float | None:
         module = unwrap(self.model)
         module.eval()
         counts = torch.zeros(2, dtype=torch.float64, device=self.dev)
@@ -697,12 +571,7 @@ class _Loop:
         info = self.data.info
         return torch.zeros(1, info.channels, info.image_size, info.image_size, device=self.dev)
 
-    def _checkpoint(self, step: int, epoch: int) -> None:
-        self._check_params(step)  # a checkpoint never holds non-finite weights unless the spec allows them
-        with self.session.not_a_step():  # gathering, sharded writes and the file: no step for the watchdog
-            self._write_checkpoint(step, epoch)
-
-    def _write_checkpoint(self, step: int, epoch: int) -> None:
+    def write_checkpoint(self, step: int, epoch: int) -> None:
         rngs = self.session.gather_to_main(ckpt.capture_rng())
         model_state: Any = None
         optim_state: Any = None
@@ -731,14 +600,7 @@ class _Loop:
                 "optimizer": optim_state,
                 "optimizer_format": optim_format,
                 "strategy": self.tc.strategy,
-                "scheduler": self.scheduler.state_dict(),
-                "step": step,
-                "epoch": epoch,
-                "sampler": {"epoch": step // self.plan.steps_per_epoch,
-                            "batch": (step % self.plan.steps_per_epoch) * self.plan.grad_accum},
-                "rng": rngs,
-                "world_size": self.env.world_size,
-                "global_batch": self.plan.global_batch,
+                **self.position_state(step, epoch, rngs),
             }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
@@ -788,7 +650,7 @@ def keep_kernel_choice(optimizer: torch.optim.Optimizer) -> Any:
 def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              scaler: Any, env: DistEnv, sharded: bool = False, folder: Path | None = None) -> int:
     with keep_kernel_choice(optimizer):
-        _load_states(state, model, optimizer, sharded, folder)
+        ckpt.load_states(state, model, optimizer, sharded, folder)
     seed_momentum(optimizer)  # a state written before any step has no momentum buffers: fused SGD's would be garbage
     scheduler.load_state_dict(state["scheduler"])
     if state.get("optimizer_format") == "pipeline-dcp":
@@ -804,44 +666,6 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
         warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
              "RNG streams are reseeded, the rest resumes exactly")
     return int(state["step"])
-
-
-def _load_states(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool,
-                 folder: Path | None) -> None:
-    fqn = state.get("optimizer_format") == "fqn"
-    if state.get("optimizer_format") == "dcp":  # FSDP shards (checkpoint.sharded) in folder/ckpt-N.dcp
-        from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
-
-        if not sharded or folder is None:
-            raise ValidationError(
-                f"checkpoint of step {state['step']} holds FSDP shards (checkpoint.sharded); "
-                "only an FSDP run with several ranks can resume it",
-                hint="resume with train.strategy=fsdp on 2 or more ranks, or start a new run directory",
-            )
-        fsdp_ckpt.load_sharded(folder, state, model, optimizer)
-    elif state.get("optimizer_format") == "pipeline-dcp" and not sharded and folder is not None:
-        from cyclone_kit.runtime.checkpoint import pipeline as pipeline_ckpt  # a pipeline's stages, by the full model's names
-
-        pipeline_ckpt.load_full(folder / state["model"]["dcp"], model, optimizer)
-    elif sharded or fqn:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        if not fqn:
-            raise ValidationError(
-                f"checkpoint of step {state['step']} was written by a {state.get('strategy', 'ddp')} run; "
-                "an FSDP run cannot resume its optimizer state",
-                hint="resume with the strategy that wrote it, or start a new run directory",
-            )
-        full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, state["model"], options=full)
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
-    else:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
 
 
 def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:

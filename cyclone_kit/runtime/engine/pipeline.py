@@ -48,12 +48,12 @@ from torch import nn
 from cyclone_kit.config.job import PIPELINE_SCHEDULES, JobSpec
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.contract import pipeline_step_fields
-from cyclone_kit.runtime import metrics as mx
 from cyclone_kit.runtime import torchcompat
 from cyclone_kit.runtime.checkpoint import pipeline as pck
 from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
 from cyclone_kit.runtime.engine import pipeline_split as split
 from cyclone_kit.runtime.engine.data import auto_workers, build_data
+from cyclone_kit.runtime.engine.loop import SegmentLoop, Window, nonfinite_params
 from cyclone_kit.runtime.engine.models import build_model
 from cyclone_kit.runtime.engine.plan import (
     begin_segment,
@@ -65,7 +65,7 @@ from cyclone_kit.runtime.engine.plan import (
 )
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.session import Session, open_session
-from cyclone_kit.runtime.signals import NONE, StopFlag
+from cyclone_kit.runtime.signals import StopFlag
 
 #: Stages each rank holds under the interleaved schedule.
 INTERLEAVED_VIRTUAL = 2
@@ -498,11 +498,7 @@ def train_pipeline(spec: JobSpec, run_dir: Path, env: DistEnv, environ: Mapping[
               f"{precision}, batch {plan.global_batch}, lr {plan.lr:g}, steps {step}->{plan.total_steps}; "
               f"stages cut at blocks {list(b.cuts)}, slowest/mean {b.max_over_mean:.2f}"
               + (" (block granularity limits the balance)" if b.granularity_limited else ""), flush=True)
-    try:
-        return loop.run(step)
-    except BaseException:
-        session.end("failed", loop.step, plan.total_steps)
-        raise
+    return loop.run(step)  # the skeleton (engine/loop.py); a failure writes the ``failed`` end record first
 
 
 def _optimizer(params: Sequence[torch.Tensor], lr: float, tc: Any, device_kind: str) -> torch.optim.Optimizer:
@@ -516,20 +512,19 @@ def _optimizer(params: Sequence[torch.Tensor], lr: float, tc: Any, device_kind: 
     return optimizer
 
 
-class _Loop:
-    """The mutable state of one pipeline training segment (private; built by :func:`train_pipeline`)."""
+class _Loop(SegmentLoop):
+    """One pipeline training segment: the skeleton's step, log, validation and checkpoint for this
+    rank's stages (private; built by :func:`train_pipeline`)."""
 
     def __init__(self, session: Session, spec: JobSpec, pipe: _Pipe, data: Any, plan: Any, optimizer: Any,
                  scheduler: Any, scaler: LossScale | None, dev: torch.device) -> None:
         self.session, self.env, self.tc, self.cc = session, session.env, spec.train, spec.checkpoint
         self.pipe, self.lay, self.data, self.plan = pipe, pipe.lay, data, plan
         self.optimizer, self.scheduler, self.scaler, self.dev = optimizer, scheduler, scaler, dev
-        self.step = 0
-        self.params_checked_at, self.params_warned = -1, False
-        self.validates = True  # False: this torch has no schedule.eval (torchcompat)
+        self.start_state()  # validates: set False when this torch has no schedule.eval (torchcompat)
 
     # -- one optimizer step: grad_accum schedule steps, then the replicas' gradients averaged
-    def _step(self, batches: Any, window: dict[str, float]) -> torch.Tensor:
+    def train_step(self, batches: Any, window: Window, loss_sum: torch.Tensor) -> torch.Tensor:
         pipe, accum = self.pipe, self.plan.grad_accum
         scale = self.scaler.scale if self.scaler is not None else 1.0
         pipe.weight[0] = scale / (self.lay.microbatches * accum)
@@ -538,7 +533,7 @@ class _Loop:
             t0 = time.perf_counter()
             x, y = next(batches)
             x = pipe.first_input(x) if pipe.has_first else x
-            window["data_s"] += time.perf_counter() - t0
+            window.data_s += time.perf_counter() - t0
             losses: list[torch.Tensor] = []
             start = pipe.clock.mark()
             pipe.schedule.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
@@ -555,56 +550,16 @@ class _Loop:
         self.scheduler.step()
         if self.lay.replicas > 1:
             broadcast_buffers(pipe.modules, pipe.dp_group, src=self.lay.pp_rank(self.env.rank))
-        return loss
+        return loss_sum + loss
 
-    def run(self, start_step: int) -> str:
-        """Train from ``start_step`` to the plan's end or an agreed stop; returns the status."""
-        plan, tc, cc, session = self.plan, self.tc, self.cc, self.session
-        self.step = step = start_step
-        epoch = step // plan.steps_per_epoch
-        self.data.train.set_epoch(epoch, (step - epoch * plan.steps_per_epoch) * plan.grad_accum)
-        batches = iter(self.data.train)
-        epoch_t0 = time.perf_counter()
-        window = {"start": time.perf_counter(), "steps": 0, "data_s": 0.0}
-        loss_sum = torch.zeros((), device=self.dev)
-        agreed = NONE
-        self.pipe.clock.read()
-        while step < plan.total_steps:
-            loss_sum = loss_sum + self._step(batches, window)
-            step += 1
-            self.step = step
-            window["steps"] += 1
-            if step % tc.log_every == 0 or step == plan.total_steps:
-                self._log(step, epoch, loss_sum, window)
-                loss_sum = torch.zeros((), device=self.dev)
-                window = {"start": time.perf_counter(), "steps": 0, "data_s": 0.0}
-            session.progress(step)  # the progress watchdog
-            agreed = session.poll(step)
-            if agreed != NONE:
-                break
-            if cc.every_steps and step % cc.every_steps == 0 and step < plan.total_steps:
-                self.save(step, epoch)
-            if step % plan.steps_per_epoch == 0:
-                self._end_epoch(epoch, time.perf_counter() - epoch_t0,
-                                tc.val_every_epochs > 0 and (epoch + 1) % tc.val_every_epochs == 0)
-                epoch += 1
-                if step < plan.total_steps:
-                    self.data.train.set_epoch(epoch, 0)
-                    batches = iter(self.data.train)
-                    epoch_t0 = time.perf_counter()
-        session.settle()
-        if agreed == NONE and step % plan.steps_per_epoch:
-            self._end_epoch(epoch, time.perf_counter() - epoch_t0, tc.val_every_epochs > 0)
-        self.save(step, epoch)
-        status = "completed" if agreed == NONE else session.stop_status()  # a user's cancel: cancelled
-        # The end record, this rank's summary, the closing line and, after the requeue signal, the requeue.
-        session.end(status, step, plan.total_steps)
-        return status
+    def begin(self) -> None:
+        self.pipe.clock.read()  # the stage clock starts empty
 
-    def _log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: dict[str, float]) -> None:
-        from cyclone_kit.runtime.engine.dataparallel import nonfinite_params
+    def params(self) -> list[torch.Tensor]:
+        return self.pipe.params
 
-        n = int(window["steps"])
+    def log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: Window) -> None:
+        n = window.steps
         # The window's loss and how many of the stages' parameter tensors are not finite: one all-reduce.
         packed = torch.stack([loss_sum / n, nonfinite_params(self.pipe.params).to(loss_sum.device)])
         if self.session.distributed:  # the loss lives on the last stage of each replica; the others add 0
@@ -615,42 +570,20 @@ class _Loop:
         value = loss / self.lay.replicas if self.session.distributed else loss
         compute_s, total_s = self.pipe.clock.read()
         every = self.session.gather_to_main((compute_s, total_s))
-        elapsed = max(time.perf_counter() - window["start"], 1e-9)
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
         samples = self.plan.global_batch * n
         local = self.plan.per_device_batch * self.plan.grad_accum * n  # every stage of a replica sees its batch
         extra = pipeline_step_fields(*_per_stage(every, self.lay, n)) if self.env.is_main else {}
-        rate = self.session.log_window(step, epoch, value, n, elapsed, window["data_s"], samples, local, **extra)
+        rate = self.session.log_window(step, epoch, value, n, elapsed, window.data_s, samples, local, **extra)
         if self.env.is_main:
             idle = extra.get("stage_idle_s") or [0.0]
             print(f"step {step}/{self.plan.total_steps} epoch {epoch} loss {value:.4f} "
                   f"step {elapsed / n * 1000:.1f} ms {rate:.1f} samples/s, idle per stage "
                   + " ".join(f"{t * 1000:.0f}" for t in idle) + " ms", flush=True)
-        self._judge_params(step, int(bad))
-
-    def _judge_params(self, step: int, bad: int) -> None:
-        """Stop (every rank: ``bad`` was all-reduced) when parameters are not finite, unless the spec
-        allows it: the DDP/FSDP engine's rule and error (:func:`cyclone_kit.runtime.engine.dataparallel.judge_params`)."""
-        from cyclone_kit.runtime.engine.dataparallel import judge_params
-
-        self.params_checked_at = step
-        self.params_warned |= judge_params(step, bad, self.tc, self.env.is_main and not self.params_warned)
-
-    def _check_params(self, step: int) -> None:
-        """Before a checkpoint: the stages' parameters' finiteness, unless the last log step checked it."""
-        from cyclone_kit.runtime.engine.dataparallel import count_nonfinite
-
-        if self.params_checked_at != step:
-            self._judge_params(step, count_nonfinite(self.pipe.params, self.dev, self.session.distributed))
+        self.judge_params(step, int(bad))
 
     @torch.no_grad()
-    def _end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
-        with self.session.not_a_step():  # validation is no step for the progress watchdog
-            accuracy = self._validate() if validate and self.validates and self.data.val is not None else None
-        self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
-        if self.env.is_main and accuracy is not None:
-            print(f"epoch {epoch} val_accuracy {accuracy:.4f}", flush=True)
-
-    def _validate(self) -> float | None:
+    def validate(self) -> float | None:
         """Accuracy over the validation shards: every stage of a replica runs the same batches
         through the schedule's forward, padded to the training batch (the stages' buffers' size)."""
         pipe, batch = self.pipe, self.tc.batch_size
@@ -679,15 +612,8 @@ class _Loop:
         return correct / total if total else None
 
     # -- checkpoints
-    def save(self, step: int, epoch: int) -> None:
-        """Every rank writes its stages' tensors (DCP); rank 0 then the small ``.pt`` naming them.
-        All of it is no step for the progress watchdog (a shard write on a slow shared file
-        system may outlast the stall bound), as the DDP/FSDP engine's whole save."""
-        self._check_params(step)  # never a checkpoint of weights that are not finite
-        with self.session.not_a_step():
-            self._write_checkpoint(step, epoch)
-
-    def _write_checkpoint(self, step: int, epoch: int) -> None:
+    def write_checkpoint(self, step: int, epoch: int) -> None:
+        """Every rank writes its stages' tensors (DCP); rank 0 then the small ``.pt`` naming them."""
         from cyclone_kit.runtime import checkpoint as ckpt
         from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
 
@@ -695,18 +621,11 @@ class _Loop:
         rngs = self.session.gather_to_main(ckpt.capture_rng())
         state: dict[str, Any] | None = None
         if self.env.is_main:
-            plan, lay = self.plan, self.lay
+            lay = self.lay
             state = {
                 **entries,
                 "strategy": "pipeline",
-                "scheduler": self.scheduler.state_dict(),
-                "step": step,
-                "epoch": epoch,
-                "sampler": {"epoch": step // plan.steps_per_epoch,
-                            "batch": (step % plan.steps_per_epoch) * plan.grad_accum},
-                "rng": rngs,
-                "world_size": self.env.world_size,
-                "global_batch": plan.global_batch,
+                **self.position_state(step, epoch, rngs),
                 "pipeline": {"stages": lay.stages, "replicas": lay.replicas, "schedule": lay.schedule,
                              "microbatches": lay.microbatches, "balance": self.pipe.balance.record()},
             }
