@@ -1,7 +1,8 @@
 """The Backend protocol: what every backend (slurm, submitit, local) implements, as a type.
 
-A backend takes a prepared run directory (:class:`cyclone_kit.rundir.layout.RunDir`: ``spec.json``
-and ``job.sbatch`` written) and runs it somewhere. Callers that come back later (``status``,
+A backend plans a resolved job in a run directory (:meth:`Backend.plan`: a
+:class:`~cyclone_kit.backends.plan.SubmissionPlan`, pure) and runs that plan once the submit side
+has written its files (:meth:`Backend.schedule`). Callers that come back later (``status``,
 ``cancel``, ``logs``) rebuild the :class:`JobHandle` from what the run directory recorded
 (:func:`handle_of`) and dispatch on the backend named there, never on a hard-coded name.
 Dependencies are an argument (``after``: job ids this one waits for, ``afterany``), never text
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from cyclone_kit.rundir.layout import RunDir
 
 if TYPE_CHECKING:
+    from cyclone_kit.backends.plan import SubmissionPlan
+    from cyclone_kit.config.validate import ResolvedJob
     from cyclone_kit.slurm.parse import JobInfo
 
 
@@ -51,18 +54,30 @@ class JobHandle(str):
 
 @runtime_checkable
 class Backend(Protocol):
-    """Submit a prepared run directory, ask its state, cancel it, find its logs."""
+    """Plan a job and run that plan, ask its state, cancel it, find its logs."""
 
     name: str
-    #: Whether its run directory holds the rendered batch script (``job.sbatch``); the local
-    #: backend runs no batch script: its plan is the ranks' commands (``launch.json``).
+    #: Whether its plan holds the batch script the templates render (``job.sbatch``, passed to
+    #: :meth:`plan` as ``script``); submitit writes its own, the local launcher runs none.
     batch_script: bool
 
-    def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
-        """Run the resolved ``job`` prepared in ``run_dir``, after the jobs ``after`` ended (afterany).
+    def plan(self, job: ResolvedJob, run_dir: Path, *, script: str | None = None,
+             after: Sequence[str] = ()) -> SubmissionPlan:
+        """What this backend will do for ``job`` in ``run_dir`` (pure: writes and runs nothing).
 
-        The backend records the submission in the run directory (job id and its own name).
+        ``script``: the rendered batch script, given when :attr:`batch_script` is true; ``after``:
+        job ids this job waits for (afterany).
         """
+        ...
+
+    def schedule(self, plan: SubmissionPlan) -> JobHandle:
+        """Run ``plan`` (its files already written into its run directory) and record the
+        submission there (job id and this backend's name)."""
+        ...
+
+    def submit_run(self, job: ResolvedJob, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
+        """Run the resolved ``job`` already prepared in ``run_dir`` (its plan's files written):
+        :meth:`schedule` of :meth:`plan`."""
         ...
 
     def status(self, job: str) -> JobInfo:

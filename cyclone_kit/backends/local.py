@@ -1,8 +1,9 @@
 """``--backend local``: run a job right here, in the foreground, through the srun emulator.
 
-The backend (:class:`LocalBackend`: the Backend protocol), its plan (:class:`LocalPlan`: the
+The backend (:class:`LocalBackend`: the Backend protocol), its launch plan (:class:`LocalPlan`: the
 ranks' command, working folder and the variables the launcher sets on each, what ``submit
---backend local --dry-run`` prints and ``launch.json`` records for the real run), what ``run``
+--backend local --dry-run`` prints as the :class:`~cyclone_kit.backends.plan.SubmissionPlan`'s text and
+``launch.json`` records for the real run), what ``run``
 builds for it (:func:`local_job`) and the status of a finished foreground run
 (:func:`run_dir_status`). The processes themselves are
 :mod:`cyclone_kit.backends.srun_emulator`'s; their Slurm-like environments are
@@ -29,6 +30,7 @@ from cyclone_kit.backends.local_env import (
     threads_per_rank,
     working_directory,
 )
+from cyclone_kit.backends.plan import SubmissionPlan, run_dir_files
 from cyclone_kit.backends.srun_emulator import (
     GRACE_S,
     LaunchResult,
@@ -38,13 +40,16 @@ from cyclone_kit.backends.srun_emulator import (
     record_submission,
 )
 from cyclone_kit.config.container import container_environment, container_runtime
+from cyclone_kit.config.jobspec import spec_json
 from cyclone_kit.core.errors import RankFailure, ValidationError
 from cyclone_kit.launchers import LOCAL, Wrapped
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.entry import rank_argv
-from cyclone_kit.rundir.layout import RunDir, last_end_record
+from cyclone_kit.rundir.layout import LAUNCH_FILE, RunDir, last_end_record
 
 if TYPE_CHECKING:
+    from cyclone_kit.config.job import JobSpec
+    from cyclone_kit.config.validate import ResolvedJob
     from cyclone_kit.slurm.parse import JobInfo
 
 __all__ = ["AT_LAUNCH_JOB_ID", "AT_LAUNCH_PORT", "NO_JOB_ID", "LocalBackend", "LocalPlan", "launch_facts", "local_job",
@@ -108,9 +113,32 @@ class LocalBackend:
         self.timeout_s = timeout_s
         self.extra_env = dict(extra_env or {})
 
-    def plan(self, job: Any, run_dir: Path | str, *, job_id: str = AT_LAUNCH_JOB_ID,
-             master_port: int | str = AT_LAUNCH_PORT, environ: Mapping[str, str] | None = None) -> LocalPlan:
-        """What :meth:`launch` runs for ``job`` in ``run_dir`` (the job id and port as placeholders unless given).
+    def plan(self, job: ResolvedJob, run_dir: Path, *, script: str | None = None,
+             after: Sequence[str] = (), rerun: bool = False) -> SubmissionPlan:
+        """``job``'s plan in ``run_dir`` (pure): ``spec.json`` with the threads each rank gets, a user script's
+        copy; the command every rank runs, its folder, the variables the backend adds, and as the text a dry
+        run prints, the ranks' launch plan (:meth:`launch_plan`, JSON). No batch script runs (``script`` unused).
+        ``rerun``: the run directory exists with its files (``run --resume``): the plan holds none.
+
+        Raises:
+            ValidationError: ``after`` is not empty (a foreground run cannot wait for another job); the
+                ranks do not split evenly over the nodes, or would share a GPU.
+        """
+        if after:
+            raise ValidationError("the local backend runs in the foreground and cannot wait for other jobs",
+                                  hint="drop the dependency, or use --backend slurm")
+        run_dir = Path(run_dir).absolute()
+        threads = self.threads_for(job)
+        launch_plan = self.launch_plan(job, run_dir)
+        files = {} if rerun else run_dir_files(job, spec_text=spec_json(dataclasses.replace(job, cpus_per_task=threads)))
+        return SubmissionPlan(self.name, run_dir, job, files, launch_plan.text(), (launch_plan.command,),
+                              cwd=Path(launch_plan.cwd), parameters={"threads_per_rank": threads},
+                              environment=self.rank_env(job, os.environ),
+                              text_at=f"{LAUNCH_FILE} (written at launch, with the job id and port)")
+
+    def launch_plan(self, job: ResolvedJob, run_dir: Path | str, *, job_id: str = AT_LAUNCH_JOB_ID,
+                    master_port: int | str = AT_LAUNCH_PORT, environ: Mapping[str, str] | None = None) -> LocalPlan:
+        """What the local launcher runs for ``job`` in ``run_dir`` (the job id and port as placeholders unless given).
 
         Raises:
             ValidationError: the ranks do not split evenly over the nodes, or would share a GPU.
@@ -124,7 +152,7 @@ class LocalBackend:
                                    base=base, extra_env=self.rank_env(job, base))
         return LocalPlan(run_dir, cwd, threads, tuple(rank_command(job, run_dir)), tuple(ranks))
 
-    def rank_env(self, job: Any, environ: Mapping[str, str]) -> dict[str, str]:
+    def rank_env(self, job: ResolvedJob, environ: Mapping[str, str]) -> dict[str, str]:
         """The variables every rank gets on top of the launcher's: a container's (its venv on ``PYTHONPATH``,
         ``USER``), then the backend's ``extra_env``."""
         import getpass
@@ -132,45 +160,32 @@ class LocalBackend:
         box = job.spec.container
         return {**(container_environment(box, environ, getpass.getuser()) if box is not None else {}), **self.extra_env}
 
-    def dry_run(self, job: Any, run_dir: Path | str) -> str:
-        """The plan of ``job`` as ``submit --backend local --dry-run`` prints it (writes nothing)."""
-        return self.plan(job, run_dir).text()
-
-    def threads_for(self, job: Any) -> int:
+    def threads_for(self, job: ResolvedJob) -> int:
         """Torch threads per rank of ``job``: the backend's, else this machine's cores shared evenly."""
         return self.threads or threads_per_rank(job.world_size, available_cores())
 
-    def launch(self, job: Any, run_dir: Path) -> LaunchResult:
-        """Run ``job``'s plan in the prepared ``run_dir`` until every rank has ended (the threads each
-        rank got go into ``spec.json``); the result says how it went. The caller reports a failure's
-        root cause first, then records the submission (:meth:`record`)."""
-        rd = RunDir(run_dir)
-        threads = self.threads_for(job)
-        rd.set_threads(threads)
-        result = launch(rd.path, job.world_size, job.nodes, threads=threads, job_name=job.spec.name, echo=self.echo,
-                        grace_s=self.grace_s, command=rank_command(job, rd.path),
-                        cwd=working_directory(job.spec), timeout_s=self.timeout_s,
-                        extra_env=self.rank_env(job, os.environ))
-        return result
+    def launch(self, plan: SubmissionPlan) -> LaunchResult:
+        """Run ``plan`` (its files written) until every rank has ended: its command in its folder with its
+        variables, on its threads; the result says how it went. The caller reports a failure's root
+        cause first, then records the submission (:meth:`record`)."""
+        job = plan.job
+        return launch(plan.run_dir, job.world_size, job.nodes, threads=int(plan.parameters["threads_per_rank"]),
+                      job_name=job.spec.name, echo=self.echo, grace_s=self.grace_s, command=plan.commands[0],
+                      cwd=plan.cwd, timeout_s=self.timeout_s, extra_env=plan.environment)
 
     def record(self, run_dir: Path, result: LaunchResult) -> None:
         """Record the launch's job id and this backend in ``run_dir`` (a full disk: a warning line)."""
         record_submission(RunDir(run_dir), result.job_id, self.name)
 
-    def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
-        """Run ``job`` in ``run_dir`` until it ends; return its handle (a fake job id, already finished).
-
-        ``after`` must be empty: a foreground run cannot wait for another job.
+    def schedule(self, plan: SubmissionPlan) -> JobHandle:
+        """Run ``plan`` until it ends (:meth:`launch`), record it; its handle (a fake job id, already finished).
 
         Raises:
             RankFailure: a rank failed or the run was interrupted; the message is the root cause
                 line, ``failure.json`` holds the details, the full report went to stderr.
         """
-        if after:
-            raise ValidationError("the local backend runs in the foreground and cannot wait for other jobs",
-                                  hint="drop the dependency, or use --backend slurm")
-        rd = RunDir(run_dir)
-        result = self.launch(job, rd.path)
+        rd = RunDir(plan.run_dir)
+        result = self.launch(plan)
         if not result.ok:
             sys.stderr.write(format_failure(result) + "\n")
             self.record(rd.path, result)
@@ -180,6 +195,15 @@ class LocalBackend:
             )
         self.record(rd.path, result)
         return JobHandle(result.job_id, self.name, rd.path)
+
+    def submit_run(self, job: ResolvedJob, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
+        """Run ``job`` in the prepared ``run_dir`` until it ends (:meth:`schedule` of :meth:`plan`).
+
+        Raises:
+            ValidationError: ``after`` is not empty: a foreground run cannot wait for another job.
+            RankFailure: as :meth:`schedule`.
+        """
+        return self.schedule(self.plan(job, run_dir, after=after))
 
     def status(self, job: str) -> JobInfo:
         """What the run directory says: a foreground run has ended by the time anyone asks.
@@ -245,7 +269,7 @@ def launch_facts(launch: Mapping[str, Any] | None, shim_end: Mapping[str, Any] |
     return len(hosts), nodelist, elapsed, reason
 
 
-def rank_command(job: Any, run_dir: Path | str) -> list[str]:
+def rank_command(job: ResolvedJob, run_dir: Path | str) -> list[str]:
     """What each rank of ``job`` runs in ``run_dir`` (pure): the local launcher's command, in the job's container
     when it has one (:class:`~cyclone_kit.launchers.registry.Wrapped`, the image's python)."""
     box = job.spec.container
@@ -254,7 +278,7 @@ def rank_command(job: Any, run_dir: Path | str) -> list[str]:
     return launcher.rank_command(rank_argv(job.spec, run_dir, python=box.python if box is not None else None))
 
 
-def local_job(spec: Any, nproc: int, nodes: int = 1, threads: int | None = None) -> Any:
+def local_job(spec: JobSpec, nproc: int, nodes: int = 1, threads: int | None = None) -> ResolvedJob:
     """A ResolvedJob for ``run``: ``nproc`` CPU ranks on ``nodes`` pretend nodes, no profile checks.
 
     The spec's resources are rewritten to what actually runs (nodes, tasks per node, no GPUs

@@ -10,11 +10,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cyclone_kit.backends.base import JobHandle, log_files
+from cyclone_kit.backends.plan import SubmissionPlan, run_dir_files
 from cyclone_kit.core.errors import SlurmError, ValidationError
 from cyclone_kit.core.proc import CompletedCommand, run_command
-from cyclone_kit.rundir.layout import RunDir
+from cyclone_kit.rundir.layout import SCRIPT_FILE, RunDir
 from cyclone_kit.slurm import argv as slurm_argv
 from cyclone_kit.slurm.parse import (
     JobInfo,
@@ -24,6 +26,9 @@ from cyclone_kit.slurm.parse import (
     parse_squeue,
     select_job,
 )
+
+if TYPE_CHECKING:
+    from cyclone_kit.config.validate import ResolvedJob
 
 _INVALID_ID = "Invalid job id specified"
 _NO_ACCOUNTING = "accounting storage is disabled"
@@ -51,6 +56,11 @@ def _sbatch_hint(stderr: str) -> str:
     return "fix the #SBATCH option the message names and submit again"
 
 
+def sbatch_argv(script: Path, after: Sequence[str] = ()) -> list[str]:
+    """``sbatch --parsable [--dependency=afterany:...] SCRIPT`` (pure)."""
+    return slurm_argv.sbatch(script, [f"--dependency={slurm_argv.dependency(after)}"] if after else [])
+
+
 class SlurmBackend:
     """Submit, inspect, cancel and requeue batch jobs with Slurm's own commands.
 
@@ -73,21 +83,23 @@ class SlurmBackend:
 
         ``cwd`` is the job's ``SLURM_SUBMIT_DIR`` (a script job's working directory, which its
         batch script also ``cd``s into). The rendered ``#SBATCH --output`` paths are absolute.
-        ``after``: job ids the job waits for (``sbatch --dependency=afterany:ID:ID``).
+        ``after``: job ids the job waits for (``sbatch --dependency=afterany:ID:ID``). A job's own
+        batch script goes through :meth:`plan` and :meth:`schedule`; this is for others (a study's report).
 
         Raises:
             ValidationError: the script or the run directory does not exist.
             SlurmError: sbatch rejected the job (the message quotes sbatch's reason).
         """
-        script = Path(script_path)
-        run_dir = Path(run_dir)
+        return self._sbatch(sbatch_argv(Path(script_path).resolve(), after), Path(script_path), Path(run_dir),
+                            Path(cwd) if cwd else Path(run_dir))
+
+    def _sbatch(self, argv: Sequence[str], script: Path, run_dir: Path, cwd: Path) -> str:
+        """Run ``argv`` (an ``sbatch --parsable`` line for ``script``) from ``cwd``; the job id."""
         if not script.is_file():
             raise ValidationError(f"batch script {script} does not exist", hint="render the job before submitting it")
         if not run_dir.is_dir():
             raise ValidationError(f"run directory {run_dir} does not exist", hint="create it before submitting")
-        extra = [f"--dependency={slurm_argv.dependency(after)}"] if after else []
-        argv = slurm_argv.sbatch(script.resolve(), extra)
-        result = self._run(argv, cwd=Path(cwd) if cwd else run_dir)
+        result = self._run(argv, cwd=cwd)
         if not result.ok:
             raise SlurmError(
                 f"sbatch rejected {script}: {_first_line(result.stderr or result.stdout)}",
@@ -95,14 +107,42 @@ class SlurmBackend:
             )
         return parse_sbatch_parsable(result.stdout)
 
-    def submit_run(self, job: object, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
-        """Submit a prepared run directory's ``job.sbatch`` and record the submission in it."""
-        rd = RunDir(run_dir)
-        script = getattr(getattr(job, "spec", None), "script", None)
-        workdir = Path(script.chdir) if script is not None and script.chdir else None
-        job_id = self.submit(rd.script, rd.path, after=after, cwd=workdir)
+    def plan(self, job: ResolvedJob, run_dir: Path, *, script: str | None = None,
+             after: Sequence[str] = ()) -> SubmissionPlan:
+        """``job``'s plan in ``run_dir`` (pure): ``spec.json``, a user script's copy and ``script`` (the
+        rendered batch script, what a dry run prints) as ``job.sbatch``; the ``sbatch`` line that submits
+        it from the job's working directory (a script's ``chdir``, else the run directory).
+
+        Raises:
+            ValidationError: no batch script was given.
+        """
+        if script is None:
+            raise ValidationError("the slurm backend submits a rendered batch script, and none was given",
+                                  hint="plan it through cyclone_kit.submit.submission.plan_submission")
+        rd = RunDir(Path(run_dir).absolute())
+        chdir = job.spec.script.chdir if job.spec.script is not None else None
+        return SubmissionPlan(self.name, rd.path, job, {**run_dir_files(job), SCRIPT_FILE: script}, script,
+                              (tuple(sbatch_argv(rd.script.resolve(), after)),), cwd=Path(chdir) if chdir else rd.path,
+                              after=tuple(after), text_at=SCRIPT_FILE)
+
+    def schedule(self, plan: SubmissionPlan) -> JobHandle:
+        """Run the plan's ``sbatch`` line (its batch script written) and record the submission.
+
+        Raises:
+            ValidationError: the batch script or the run directory does not exist.
+            SlurmError: sbatch rejected the job.
+        """
+        rd = RunDir(plan.run_dir)
+        job_id = self._sbatch(plan.commands[0], rd.script, rd.path, plan.cwd or rd.path)
         rd.write_submission(job_id, self.name)
         return JobHandle(job_id, self.name, rd.path)
+
+    def submit_run(self, job: ResolvedJob, run_dir: Path, *, after: Sequence[str] = ()) -> JobHandle:
+        """Submit a prepared run directory's ``job.sbatch`` (:meth:`schedule` of its :meth:`plan`)."""
+        rd = RunDir(Path(run_dir).absolute())
+        if not rd.script.is_file():
+            raise ValidationError(f"batch script {rd.script} does not exist", hint="render the job before submitting it")
+        return self.schedule(self.plan(job, rd.path, script=rd.script.read_text(), after=after))
 
     def log_files(self, job: JobHandle) -> list[Path]:
         """The job's ``logs/`` (``#SBATCH --output`` / ``--error`` point there)."""

@@ -30,6 +30,7 @@ when its peers' collective times out, and a stalled step ends the job instead of
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shlex
@@ -40,14 +41,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cyclone_kit.backends.base import JobHandle, log_files
+from cyclone_kit.backends.plan import SubmissionPlan, run_dir_files
 from cyclone_kit.backends.slurm import SlurmBackend
 from cyclone_kit.core.errors import RankFailure, SlurmError, ValidationError
 from cyclone_kit.core.malloc import GLIBC_TUNABLES
 from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN
-from cyclone_kit.rundir.layout import RunDir
+from cyclone_kit.rundir.layout import SUBMITIT_DIR, RunDir
 from cyclone_kit.slurm import argv as slurm_argv
 
 if TYPE_CHECKING:
+    from cyclone_kit.config.validate import ResolvedJob
     from cyclone_kit.slurm.parse import JobInfo
 
 EXECUTORS = ("auto", "slurm", "local")
@@ -113,7 +116,7 @@ def rendezvous_lines(python: str) -> list[str]:
     ]
 
 
-def slurm_parameters(job: Any, run_dir: Path | str, python: str | None = None) -> dict[str, Any]:
+def slurm_parameters(job: ResolvedJob, run_dir: Path | str, python: str | None = None) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` keywords for a resolved job (pure).
 
     The checkpoint signal and requeue flag of the spec are carried over, the profile's modules,
@@ -173,18 +176,41 @@ def submitit_command(python: str, folder: Path) -> str:
     return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
-def sbatch_text(job: Any, run_dir: Path | str, python: str | None = None) -> str:
+def sbatch_text(job: ResolvedJob, run_dir: Path | str, python: str | None = None) -> str:
     """The batch script submitit writes for ``job`` in ``run_dir``: submitit's own renderer on
     :func:`slurm_parameters` (what ``submit --backend submitit --dry-run`` prints)."""
+    py = python or sys.executable
+    folder = submitit_folder(run_dir)
+    return submitit_sbatch(submitit_command(shlex.quote(py), folder), folder,
+                           slurm_parameters(job, Path(run_dir).absolute(), python=py))
+
+
+def submitit_folder(run_dir: Path | str) -> Path:
+    """Where submitit keeps its pickles, task logs and batch script for ``run_dir``."""
+    return Path(RunDir(Path(run_dir).absolute()).submitit).expanduser().absolute()
+
+
+def submitit_sbatch(command: str, folder: Path, parameters: Mapping[str, Any]) -> str:
+    """submitit's own renderer (what ``SlurmExecutor`` writes as ``<job id>_submission.sh``) on ``parameters``."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    py = python or sys.executable
-    folder = Path(RunDir(Path(run_dir).absolute()).submitit).expanduser().absolute()
-    return _make_sbatch_string(command=submitit_command(shlex.quote(py), folder), folder=folder,
-                               **slurm_parameters(job, Path(run_dir).absolute(), python=py))
+    return _make_sbatch_string(command=command, folder=folder, **parameters)
 
 
-def local_parameters(job: Any, timeout_min: float | None = None) -> dict[str, Any]:
+def local_environment(job: ResolvedJob, run_dir: Path | str, master_port: str) -> dict[str, str]:
+    """The variables submitit's local executor hands its ranks (pure; ``master_port``: a port or a placeholder)."""
+    from cyclone_kit.backends.local_env import available_cores, threads_per_rank
+
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": master_port,
+        "OMP_NUM_THREADS": str(threads_per_rank(job.world_size, available_cores())),
+        "CYCLONE_RUN_DIR": str(Path(run_dir).absolute()),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def local_parameters(job: ResolvedJob, timeout_min: float | None = None) -> dict[str, Any]:
     """``LocalExecutor.update_parameters`` keywords for a resolved job (pure).
 
     Raises:
@@ -232,7 +258,7 @@ class SubmititBackend:
     """
 
     name = "submitit"
-    batch_script = True  # the template's, beside the script submitit writes itself (its dry run shows that one)
+    batch_script = False  # submitit writes its own batch script (its plan's text), not the templates' one
 
     def __init__(self, *, executor: str = "auto", python: str | None = None, wait: bool = False) -> None:
         if executor not in EXECUTORS:
@@ -254,38 +280,85 @@ class SubmititBackend:
             return forced
         return "slurm" if shutil.which("sbatch") else "local"
 
-    def submit_run(self, job: Any, run_dir: Path, *, after: Sequence[str] = (),
-                   dependency: str | None = None) -> JobHandle:
-        """Submit ``job`` for ``run_dir``; returns the Slurm job id (or the local controller's pid).
+    def plan(self, job: ResolvedJob, run_dir: Path, *, script: str | None = None, after: Sequence[str] = (),
+             dependency: str | None = None) -> SubmissionPlan:
+        """``job``'s plan in ``run_dir`` (pure): ``spec.json`` and a user script's copy; the executor (see
+        :meth:`chosen_executor`) and its ``update_parameters`` keywords; the command every task runs.
 
-        ``after`` (Slurm only): job ids this job waits for (``afterany``); ``dependency``: a raw
-        sbatch dependency such as ``afterok:123`` instead.
+        Slurm's executor: what a dry run prints is the batch script submitit writes from those same
+        keywords (:func:`submitit_sbatch`). The local executor writes none: the dry run prints its
+        keywords, the variables the ranks get and the command, as JSON. ``after``: job ids this job
+        waits for (``afterany``); ``dependency``: a raw sbatch dependency such as ``afterok:123`` instead.
+        ``script`` (the templates' batch script) is not used: submitit writes its own.
+
+        Raises:
+            ValidationError: both ``after`` and ``dependency``; a dependency on the local executor; a
+                multi-node job on the local executor.
+        """
+        from cyclone_kit.backends.local import AT_LAUNCH_PORT
+
+        run_dir = Path(run_dir).absolute()
+        if after:
+            if dependency:
+                raise ValidationError("give after= or dependency=, not both", hint="use after=[job ids]")
+            dependency = slurm_argv.dependency(after)
+        executor = self.chosen_executor()
+        py = self.python or sys.executable
+        folder = submitit_folder(run_dir)
+        command = submitit_command(shlex.quote(py), folder)
+        env: dict[str, str] = {}
+        if executor == "slurm":
+            params = slurm_parameters(job, run_dir, python=py)
+            if dependency:
+                params["dependency"] = dependency
+            text = submitit_sbatch(command, folder, params)
+        else:
+            if dependency:
+                raise ValidationError("submitit's local executor runs in the foreground and cannot wait for other "
+                                      "jobs", hint="drop the dependency, or submit to Slurm")
+            params = local_parameters(job)
+            env = local_environment(job, run_dir, AT_LAUNCH_PORT)
+            text = json.dumps({"executor": executor, "parameters": params, "environment": env, "command": command},
+                              indent=2) + "\n"
+        return SubmissionPlan(self.name, run_dir, job, run_dir_files(job), text, (tuple(shlex.split(command)),),
+                              parameters={"executor": executor, **params}, environment=env, after=tuple(after),
+                              text_at=f"{SUBMITIT_DIR}/<job id>_submission.sh (written by submitit)" if executor == "slurm"
+                              else f"{SUBMITIT_DIR}/ (submitit's local executor writes no batch script)")
+
+    def schedule(self, plan: SubmissionPlan) -> JobHandle:
+        """Hand the plan's keywords and :func:`train` to its executor (the plan's files written); returns the
+        Slurm job id (or, once it has ended, the local controller's pid).
 
         Raises:
             SlurmError: submitit could not submit to Slurm (sbatch missing or refusing).
             RankFailure: a local run failed (the message quotes submitit's error).
         """
-        run_dir = Path(run_dir).absolute()
-        folder = RunDir(run_dir).submitit
-        if after:
-            if dependency:
-                raise ValidationError("give after= or dependency=, not both", hint="use after=[job ids]")
-            dependency = slurm_argv.dependency(after)
-        if self.chosen_executor() == "slurm":
-            return JobHandle(self._submit_slurm(job, run_dir, folder, dependency), self.name, run_dir)
-        if dependency:
-            raise ValidationError("submitit's local executor runs in the foreground and cannot wait for other jobs",
-                                  hint="drop the dependency, or submit to Slurm")
-        return JobHandle(self._run_local(job, run_dir, folder), self.name, run_dir)
+        params = dict(plan.parameters)
+        executor = params.pop("executor")
+        if executor == "slurm":
+            job_id = self._submit_slurm(plan.run_dir, params)
+        else:
+            job_id = self._run_local(plan.run_dir, params, plan.environment)
+        return JobHandle(job_id, self.name, plan.run_dir)
 
-    def _submit_slurm(self, job: Any, run_dir: Path, folder: Path, dependency: str | None) -> str:
+    def submit_run(self, job: ResolvedJob, run_dir: Path, *, after: Sequence[str] = (),
+                   dependency: str | None = None) -> JobHandle:
+        """Submit ``job`` for the prepared ``run_dir`` (:meth:`schedule` of :meth:`plan`).
+
+        Raises:
+            as :meth:`plan` and :meth:`schedule`.
+        """
+        return self.schedule(self.plan(job, run_dir, after=after, dependency=dependency))
+
+    def _executor_python(self) -> str:
+        """The interpreter submitit starts, quoted for its command line."""
+        return shlex.quote(self.python or sys.executable)
+
+    def _submit_slurm(self, run_dir: Path, params: Mapping[str, Any]) -> str:
         import submitit
 
-        params = slurm_parameters(job, run_dir, python=self.python or sys.executable)
-        if dependency:
-            params["dependency"] = dependency
         try:
-            ex = submitit.SlurmExecutor(folder=folder, python=shlex.quote(self.python or sys.executable))
+            ex = submitit.SlurmExecutor(folder=submitit_folder(run_dir), python=self._executor_python())
             ex.update_parameters(**params)
             handle = ex.submit(train, str(run_dir))
         except RuntimeError as e:  # "Could not detect srun", sbatch failures (FailedJobError is one)
@@ -299,21 +372,16 @@ class SubmititBackend:
             handle.wait()
         return job_id
 
-    def _run_local(self, job: Any, run_dir: Path, folder: Path) -> str:
+    def _run_local(self, run_dir: Path, params: Mapping[str, Any], environment: Mapping[str, str]) -> str:
         import submitit
 
-        from cyclone_kit.backends.local_env import available_cores, free_port, threads_per_rank
+        from cyclone_kit.backends.local import AT_LAUNCH_PORT
+        from cyclone_kit.backends.local_env import free_port
 
-        threads = threads_per_rank(job.world_size, available_cores())
-        env = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "OMP_NUM_THREADS": str(threads),
-            "CYCLONE_RUN_DIR": str(run_dir),
-            "PYTHONUNBUFFERED": "1",
-        }
-        ex = submitit.LocalExecutor(folder=folder, python=shlex.quote(self.python or sys.executable))
-        ex.update_parameters(**local_parameters(job))
+        folder = submitit_folder(run_dir)
+        env = {k: str(free_port()) if v == AT_LAUNCH_PORT else v for k, v in environment.items()}
+        ex = submitit.LocalExecutor(folder=folder, python=self._executor_python())
+        ex.update_parameters(**params)
         with _environment(env):
             handle = ex.submit(train, str(run_dir))
         job_id = str(handle.job_id)

@@ -6,6 +6,11 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cyclone_kit.backends.local import LocalBackend
+    from cyclone_kit.config.validate import ResolvedJob
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,20 +57,28 @@ def resume_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def _backend(args: argparse.Namespace, job: ResolvedJob) -> LocalBackend:
+    """The local backend as ``run``'s flags set it: its threads, timeout, echo and the ranks' extra variables."""
+    from cyclone_kit.backends.local import LocalBackend
+
+    return LocalBackend(quiet=args.quiet, threads=job.cpus_per_task, timeout_s=args.timeout,
+                        extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
+
+
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130.
 
-    The run directory is prepared as ``submit --backend local`` prepares it (the one writer of
-    ``spec.json``) and the ranks run the local backend's plan.
+    The run directory holds the local backend's plan, written as ``submit --backend local`` writes it
+    (:func:`cyclone_kit.submit.submission.prepare`), and the ranks run that same plan.
     """
-    from cyclone_kit.backends.local import LocalBackend, local_job
+    from cyclone_kit.backends.local import local_job
     from cyclone_kit.backends.local_env import gpu_slices, visible_gpus
     from cyclone_kit.backends.srun_emulator import format_failure
     from cyclone_kit.config.job import load_spec, spec_from_dict
     from cyclone_kit.config.jobspec import checked_spec, fill_args, refuse_restart_flags, spec_dict_from_args
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.rundir.layout import RunDir
-    from cyclone_kit.submit.submission import prepare_run_dir
+    from cyclone_kit.submit.submission import prepare
 
     for flag in ("nproc", "nodes", "threads"):
         value = getattr(args, flag)
@@ -88,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValidationError("--resume takes the run directory's own spec",
                                   hint="drop SPEC, SCRIPT, -m, -- ARGS and --set, or start a new run without --resume")
         job = local_job(load_spec(rd.spec), args.nproc, args.nodes, args.threads)
+        backend = _backend(args, job)
+        plan = backend.plan(job, rd.path, rerun=True)  # the directory and its files exist: only the threads change
+        rd.set_threads(int(plan.parameters["threads_per_rank"]))
     else:
         spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
         res = spec.resources
@@ -112,15 +128,14 @@ def run(args: argparse.Namespace) -> int:
 
             check_backend(job.spec, "local")
             job = check_container(job, Path(args.runs_dir))
-        rd = RunDir(prepare_run_dir(job, Path(args.runs_dir), batch_script=LocalBackend.batch_script))
-    backend = LocalBackend(quiet=args.quiet, threads=job.cpus_per_task,
-                           timeout_s=args.timeout,
-                           extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
+        backend = _backend(args, job)
+        plan = prepare(job, Path(args.runs_dir), backend)  # the run directory holds the plan's files
+        rd = RunDir(plan.run_dir)
     run_dir = rd.path
     print(f"run dir: {run_dir}")
     print(f"starting {job.world_size} rank(s) on {job.nodes} local node(s), {job.cpus_per_task} thread(s) each; "
           f"logs in {rd.logs}", flush=True)
-    result = backend.launch(job, run_dir)
+    result = backend.launch(plan)
     if not result.ok:  # the root cause first, then (on a full disk) why the run directory could not record it
         sys.stderr.write((format_failure(result) if result.first_failure is not None else
                           f"error: interrupted; every rank was stopped. HINT: see {rd.failure}") + "\n")

@@ -26,38 +26,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Submit (or print) the job; prints the job id and run directory."""
-    from cyclone_kit.backends import check_backend_name
+    """Submit the job (or, with ``--dry-run``, print its backend's plan); prints the job id and run directory."""
+    from cyclone_kit.backends import get_backend
     from cyclone_kit.config.jobspec import check_backend, check_restart_backend, job_from_args
     from cyclone_kit.rundir.layout import run_dir_name
-    from cyclone_kit.submit.render import render_script
+    from cyclone_kit.submit.submission import plan_submission, submit_job
 
-    check_backend_name(args.backend)  # a dry run is a rehearsal of the real submit: same refusals
+    backend = get_backend(args.backend)  # a dry run is a rehearsal of the real submit: same refusals
     job = job_from_args(args, args.backend)
     check_backend(job.spec, args.backend)
     check_restart_backend(job, args.backend)
     runs_dir = Path(args.runs_dir).absolute()
-    if args.dry_run:
-        run_dir = runs_dir / run_dir_name(job.spec.name)
-        if args.backend == "submitit":  # the script submitit itself writes, not the sbatch template
-            from cyclone_kit.backends.submitit_ import sbatch_text
-
-            sys.stdout.write(sbatch_text(job, run_dir))
-        elif args.backend == "local":  # the ranks' command, folder and variables: no batch script runs
-            from cyclone_kit.backends.local import LocalBackend
-
-            sys.stdout.write(LocalBackend().dry_run(job, run_dir))
-        else:
-            sys.stdout.write(render_script(job, run_dir))
+    if args.dry_run:  # the plan the backend would schedule, for the directory's name at this second
+        sys.stdout.write(plan_submission(job, runs_dir / run_dir_name(job.spec.name), backend).text())
         return 0
     if job.profile.account_required and not job.account:
         raise ValidationError(
             f"profile {job.profile.name!r} requires a Slurm account",
             hint="pass --account=<project> (e.g. p163) or set account in your profile",
         )
-    from cyclone_kit.submit.submission import submit_job
-
-    run_dir, job_id = submit_job(job, runs_dir, backend=args.backend)
+    run_dir, job_id = submit_job(job, runs_dir, backend)
     print(f"submitted job {job_id}")
     print(f"run dir: {run_dir}")
     return 0

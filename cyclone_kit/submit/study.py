@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from cyclone_kit.backends import get_backend
+from cyclone_kit.backends.base import Backend
 from cyclone_kit.config.profile import ClusterProfile, load_profile
 from cyclone_kit.config.sweep import SweepRun, SweepSpec, expand, sweep_record
+from cyclone_kit.config.validate import ResolvedJob
 from cyclone_kit.core.errors import CycloneError, ValidationError
 from cyclone_kit.rundir.fileio import write_atomic
 from cyclone_kit.rundir.layout import StudyDir, create_run_dir, remove_run_dir, run_dir_name
 from cyclone_kit.submit.render import render_report_script as report_script
+from cyclone_kit.submit.submission import plan_submission, write_plan
 
 BACKENDS = ("slurm", "submitit", "local")
 
@@ -72,10 +75,26 @@ def plan_table(sweep: SweepSpec, runs: Sequence[SweepRun]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan_text(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_dir: Path) -> str:
-    """The dry run: the plan, then every script that would be submitted (pure)."""
-    from cyclone_kit.submit.render import render_script
+def point_backend(backend: str, job: ResolvedJob) -> Backend:
+    """The backend a point of a study runs on: the one named, the local launcher with the point's threads
+    (its CPUs per task, at most this machine's cores shared among its ranks)."""
+    if backend != "local":
+        return get_backend(backend)
+    from cyclone_kit.backends.local import LocalBackend
 
+    return LocalBackend(threads=local_threads(job))
+
+
+def local_threads(job: ResolvedJob) -> int:
+    """Torch threads per rank of a study's point on the local launcher: its CPUs per task, at most this
+    machine's cores shared among its ranks."""
+    from cyclone_kit.backends.local_env import available_cores
+
+    return max(1, min(job.cpus_per_task, available_cores() // job.world_size))
+
+
+def plan_text(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_dir: Path) -> str:
+    """The dry run: the plan, then every point's submission plan as its backend would schedule it (pure)."""
     study = StudyDir(Path(runs_dir) / run_dir_name(sweep.name))
     parts = [f"# study dir (would be): {study.path}\n# backend: {backend}\n", plan_table(sweep, runs)]
     if backend == "local":
@@ -86,16 +105,9 @@ def plan_text(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_dir
         if r.name in seen:
             continue
         seen.add(r.name)
-        rd = study.run(r.name)
-        if backend == "submitit":  # the script submitit itself writes for the point, not the sbatch template
-            from cyclone_kit.backends.submitit_ import sbatch_text
-
-            parts.append(f"\n# ---- {rd.submitit.relative_to(study.path)}/<job id>_submission.sh (written by "
-                         "submitit) ----\n")
-            parts.append(sbatch_text(r.job, rd.path))
-        else:
-            parts.append(f"\n# ---- {rd.script.relative_to(study.path)} ----\n")
-            parts.append(render_script(r.job, rd.path))
+        point = plan_submission(r.job, study.run(r.name).path, point_backend(backend, r.job))
+        parts.append(f"\n# ---- {r.name}/{point.text_at} ----\n")
+        parts.append(point.text())
     if sweep.report:
         parts.append(f"\n# ---- {study.report_script.name} (submitted with #SBATCH --dependency=afterany:"
                      "<every point's job id>) ----\n")
@@ -106,28 +118,22 @@ def plan_text(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_dir
 # --------------------------------------------------------------------------- side effects
 def create_study(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_dir: Path,
                  profile: ClusterProfile | None = None) -> StudyDir:
-    """Create the study directory with every run directory in it, all or nothing.
+    """Create the study directory with every point's run directory in it, holding the files of the point's
+    submission plan (:func:`cyclone_kit.submit.submission.plan_submission`), all or nothing.
 
     Raises:
-        ValidationError: a value cannot be rendered, or ``runs_dir`` is not writable.
+        ValidationError: a value cannot be planned (rendered), or ``runs_dir`` is not writable.
     """
-    from cyclone_kit.config.jobspec import script_files, spec_json
-    from cyclone_kit.submit.render import render_script
-
     runs_dir = Path(runs_dir).absolute()
     placeholder = runs_dir / run_dir_name(sweep.name)
-    for r in runs:  # a value that cannot be rendered fails before anything exists
-        render_script(r.job, placeholder / r.name)
+    for r in runs:  # a value that cannot be planned fails before anything exists
+        plan_submission(r.job, placeholder / r.name, point_backend(backend, r.job))
     study = StudyDir(create_run_dir(runs_dir, sweep.name, {}))
     try:
         for r in runs:
             rd = study.run(r.name)
             rd.logs.mkdir(parents=True)
-            rd.write_spec(spec_json(r.job))
-            for rel, content in script_files(r.job.spec).items():  # a user script's copy
-                (rd.path / rel).parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(rd.path / rel, content)
-            rd.write_script(render_script(r.job, rd.path))
+            write_plan(plan_submission(r.job, rd.path, point_backend(backend, r.job)))
         record = sweep_record(sweep, runs, profile or runs[0].job.profile, backend)
         write_atomic(study.sweep, json.dumps(record, indent=2) + "\n")
     except BaseException:
@@ -152,19 +158,17 @@ def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None
         out, err: progress lines and failure reports (default: nowhere).
     """
     from cyclone_kit.backends.local import LocalBackend
-    from cyclone_kit.backends.local_env import available_cores
     from cyclone_kit.backends.srun_emulator import format_failure
 
     out, err = out or io.StringIO(), err or io.StringIO()
     outcome = StudyOutcome(study, foreground=True)
-    cores = available_cores()
     try:
         for r in runs:
             rd = study.run(r.name)
-            threads = max(1, min(r.job.cpus_per_task, cores // r.world_size))
+            threads = local_threads(r.job)
             print(f"== {r.name}: {r.world_size} rank(s), {threads} thread(s) each", file=out, flush=True)
-            backend = LocalBackend(echo=echo, quiet=echo is None, threads=threads)  # the local backend's plan
-            result = backend.launch(r.job, rd.path)
+            backend = LocalBackend(echo=echo, quiet=echo is None, threads=threads)
+            result = backend.launch(backend.plan(r.job, rd.path))  # the plan whose files create_study wrote
             backend.record(rd.path, result)
             outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": result.job_id,
                                     "status": "completed" if result.ok else "failed",
@@ -193,7 +197,7 @@ def run_submitit_local(runs: Sequence[SweepRun], study: StudyDir, backend: Any, 
         rd = study.run(r.name)
         print(f"== {r.name}: {r.world_size} rank(s) via submitit (local executor)", file=out, flush=True)
         try:
-            job_id = backend.submit_run(r.job, rd.path).job_id
+            job_id = backend.schedule(plan_submission(r.job, rd.path, backend)).job_id
             status = "completed"
         except CycloneError as e:
             outcome.failed += 1
@@ -228,7 +232,8 @@ def submit_study(sweep: SweepSpec, runs: Sequence[SweepRun], study: StudyDir, ba
     try:
         for r in runs:
             after = [outcome.entries[-1]["job_id"]] if sweep.serial and outcome.entries else []
-            handle = chosen.submit_run(r.job, study.run(r.name).path, after=after)
+            # the point's plan (its files written by create_study), with the job ids it waits for known now
+            handle = chosen.schedule(plan_submission(r.job, study.run(r.name).path, chosen, after=after))
             outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": handle.job_id,
                                     **({"after": after} if after else {})})
             print(f"submitted {r.name}: job {handle.job_id}", file=out, flush=True)

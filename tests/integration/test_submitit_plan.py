@@ -12,6 +12,10 @@ from cyclone_kit.config.profile import load_profile
 from cyclone_kit.config.validate import resolve
 from tests.helpers.cli import REPO, run_cli
 
+#: The plan of submitit's Slurm executor (``auto`` picks the local one where sbatch is not on PATH: its
+#: plan is the local executor's keywords, as JSON, since it writes no batch script).
+SLURM_EXECUTOR = {"CYCLONE_SUBMITIT_EXECUTOR": "slurm"}
+
 
 def _job(**resources: object):
     spec = spec_from_dict({"name": "sj", "train": {"model": "tiny_cnn"}, "resources": {"profile": "local", **resources}})
@@ -32,7 +36,7 @@ def test_the_batch_script_has_the_templates_rendezvous_and_says_what_it_lacks(tm
 
 def test_dry_run_of_the_submitit_backend_prints_submitits_script_not_the_template(tmp_path: Path) -> None:
     proc = run_cli("submit", str(REPO / "jobs" / "smoke.toml"), "--profile", "local", "--partition", "cpu",
-                   "--backend", "submitit", "--dry-run", "--runs-dir", str(tmp_path))
+                   "--backend", "submitit", "--dry-run", "--runs-dir", str(tmp_path), env=SLURM_EXECUTOR)
     assert proc.returncode == 0, proc.stderr
     assert "-m submitit.core._submit" in proc.stdout and "#SBATCH --wckey=submitit" in proc.stdout
     assert "stepwatch" not in proc.stdout and "cyclone_kit: submitit writes the srun line itself" in proc.stdout
@@ -41,7 +45,7 @@ def test_dry_run_of_the_submitit_backend_prints_submitits_script_not_the_templat
 
 def test_sweep_dry_run_of_the_submitit_backend_prints_submitits_script_for_every_point(tmp_path: Path) -> None:
     proc = run_cli("sweep", str(REPO / "jobs" / "demo_strong.toml"), "--backend", "submitit", "--dry-run",
-                   "--runs-dir", str(tmp_path))
+                   "--runs-dir", str(tmp_path), env=SLURM_EXECUTOR)
     assert proc.returncode == 0, proc.stderr
     points = proc.stdout.split("(written by submitit) ----\n")[1:]
     assert len(points) == 2, proc.stdout[:2000]

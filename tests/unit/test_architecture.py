@@ -258,8 +258,8 @@ def test_only_the_launcher_registry_compares_launcher_names() -> None:
 
 
 def test_run_directories_and_their_spec_are_written_by_the_submit_side_alone() -> None:
-    # submit, run and sweep points: submit.submission.prepare_run_dir; a study's points: submit.study
-    assert run_directory_writers(PACKAGE) == {"cyclone_kit.submit.submission", "cyclone_kit.submit.study"}
+    # submit, run and a study's points: submit.submission writes every plan's files (issue 30)
+    assert run_directory_writers(PACKAGE) == {"cyclone_kit.submit.submission"}
 
 
 def test_only_the_public_face_sits_at_the_root() -> None:

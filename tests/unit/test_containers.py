@@ -304,7 +304,7 @@ def test_local_backend_plan_wraps_the_ranks_and_gives_them_the_venv():
     from cyclone_kit.backends.local import LocalBackend, local_job
 
     spec = spec_from_dict({"name": "c", "container": {**BOX, "pythonpath": ["/w/site", "/w/proj"]}})
-    plan = LocalBackend(threads=1).plan(local_job(spec, 2), "/tmp/runs/c", environ={"PYTHONPATH": "/mine", "PATH": "/bin"})
+    plan = LocalBackend(threads=1).launch_plan(local_job(spec, 2), "/tmp/runs/c", environ={"PYTHONPATH": "/mine", "PATH": "/bin"})
     assert plan.command[:9] == ("ch-run", "-b", "/tmp", "-b", "/w", "--set-env=CYCLONE_REQUEUE_BY=stepwatch",
                                 "--set-env=CYCLONE_CONTAINER=charliecloud", "--cd=/tmp/runs/c", "/img")
     assert plan.command[9:] == ("--", "python3", "-m", "cyclone_kit.runtime", "--run-dir", "/tmp/runs/c")

@@ -42,3 +42,94 @@ def test_a_render_failure_leaves_no_run_directory(tmp_path: Path, monkeypatch: p
     with pytest.raises(ValidationError):
         submission.prepare_run_dir(_job(), tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ issue 30: the dry run is what was scheduled
+# For each backend: what `submit --dry-run` prints for a run directory (plan_submission(...).text(), as
+# cli/submit.py prints it) is what scheduling that job wrote there and ran, with the scheduler faked
+# (no process starts in this tier; tests/slurm and tests/integration compare the real runs).
+def _files_as_written(plan) -> None:
+    for rel, data in plan.files.items():
+        written = (plan.run_dir / rel).read_bytes()
+        assert written == (data.encode() if isinstance(data, str) else data), rel
+
+
+def test_slurm_the_dry_run_is_the_batch_script_sbatch_was_given(tmp_path: Path, monkeypatch) -> None:
+    from cyclone_kit.backends.slurm import SlurmBackend
+    from cyclone_kit.core.proc import CompletedCommand
+
+    ran: list[tuple[tuple[str, ...], Path | None]] = []
+    backend = SlurmBackend()
+    monkeypatch.setattr(backend, "_run", lambda argv, cwd=None: (
+        ran.append((tuple(argv), cwd)), CompletedCommand(tuple(argv), 0, "4242\n", "", 0.0))[1])
+    run_dir, job_id = submission.submit_job(_job(), tmp_path, backend)
+    plan = submission.plan_submission(_job(), run_dir, SlurmBackend())
+    assert job_id == "4242" and plan.backend == "slurm"
+    assert plan.text() == (run_dir / "job.sbatch").read_text()  # the script sbatch was given ...
+    assert ran == [(plan.commands[0], run_dir)] and plan.commands[0][-1] == str((run_dir / "job.sbatch").resolve())
+    _files_as_written(plan)  # ... and every other file of the plan
+
+
+def test_submitit_the_dry_run_is_the_batch_script_submitit_wrote(tmp_path: Path, monkeypatch) -> None:
+    import submitit.core.utils
+    from submitit.slurm import slurm
+
+    from cyclone_kit.backends.submitit_ import SubmititBackend
+
+    class FakeSbatch:  # submitit's own sbatch call, answered without a process
+        def __init__(self, argv, **_kwargs):
+            self.argv = argv
+
+        def __call__(self):
+            return "Submitted batch job 4243\n"
+
+    monkeypatch.setattr(submitit.core.utils, "CommandFunction", FakeSbatch)
+    monkeypatch.setattr(slurm.SlurmExecutor, "affinity", classmethod(lambda cls: 2))
+    backend = SubmititBackend(executor="slurm")
+    run_dir, job_id = submission.submit_job(_job(), tmp_path, backend)
+    plan = submission.plan_submission(_job(), run_dir, backend)
+    assert job_id == "4243" and plan.parameters["executor"] == "slurm"
+    assert plan.text() == (run_dir / "submitit" / "4243_submission.sh").read_text()
+    assert " ".join(plan.commands[0]) in plan.text()  # the command every task runs
+    assert not (run_dir / "job.sbatch").exists(), "submitit writes its own batch script; the template's is not run"
+    _files_as_written(plan)
+
+
+def test_local_the_dry_run_is_what_the_launcher_ran(tmp_path: Path, monkeypatch) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from cyclone_kit.backends import local
+
+    launched: list[dict] = []
+
+    def fake_launch(run_dir, nproc, nodes=1, **kwargs):
+        launched.append({"run_dir": Path(run_dir), "nproc": nproc, "nodes": nodes, **kwargs})
+        return SimpleNamespace(ok=True, job_id="900000009")
+
+    monkeypatch.setattr(local, "launch", fake_launch)
+    backend = local.LocalBackend(threads=3, quiet=True, extra_env={"X_EXTRA": "1"})
+    run_dir, job_id = submission.submit_job(_job(), tmp_path, backend)
+    plan = submission.plan_submission(_job(), run_dir, backend)
+    shown = json.loads(plan.text())
+    (ran,) = launched
+    assert job_id == "900000009" and ran["run_dir"] == run_dir == Path(shown["run_dir"])
+    assert (list(ran["command"]), str(ran["cwd"]), ran["threads"]) == (
+        shown["command"], shown["cwd"], shown["threads_per_rank"]) == (list(plan.commands[0]), str(plan.cwd), 3)
+    assert dict(ran["extra_env"]) == {"X_EXTRA": "1"} and all(r["env"]["X_EXTRA"] == "1" for r in shown["ranks"])
+    assert json.loads((run_dir / "spec.json").read_text())["resources"]["cpus_per_task"] == 3
+    assert not (run_dir / "job.sbatch").exists()
+    _files_as_written(plan)
+
+
+def test_a_plan_is_a_frozen_value_and_planning_writes_nothing(tmp_path: Path) -> None:
+    import dataclasses
+
+    from cyclone_kit.backends.slurm import SlurmBackend
+
+    plan = submission.plan_submission(_job(), tmp_path / "never", SlurmBackend())
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.script = ""  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        plan.files["spec.json"] = "{}"  # type: ignore[index]
