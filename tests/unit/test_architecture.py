@@ -2,12 +2,15 @@
 
 The map (docs/ARCHITECTURE.md): the login side runs cli -> config -> submit -> backends; a job's
 ranks run runtime/; rundir/ is the only contract between the halves; analysis/ reads run
-directories. core/ is the stdlib-only ground floor both halves stand on.
+directories. core/ is the stdlib-only ground floor both halves stand on. Inside runtime/, the rank
+side's rooms: engine/ (the built-in engine), checkpoint/ and watchers/ (RANK_ROOMS below).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +48,39 @@ ALIASES = {"launch", "ports", "doctor_probe"}
 LAUNCHER_REGISTRY = "launchers"
 #: Modules the launcher-name rule does not cover yet (none: runtime/watchdog.py asks LOCAL.started(environ)).
 LAUNCHER_RULE_PENDING: set[str] = set()
+#: The rank side's rooms inside runtime/: room -> what it may import outside itself (a module, or a
+#: package and everything in it). The engine stands on the session, checkpoints, watchers and the
+#: rank's bootstrap, never on the login side or the launch shim; checkpoints and watchers never on the engine.
+RANK_ROOMS = {
+    "cyclone_kit.runtime.engine": {
+        "cyclone_kit.core", "cyclone_kit.config.job", "cyclone_kit.rundir", "cyclone_kit.runtime.session",
+        "cyclone_kit.runtime.checkpoint", "cyclone_kit.runtime.watchers", "cyclone_kit.runtime.metrics",
+        "cyclone_kit.runtime.phases", "cyclone_kit.runtime.power", "cyclone_kit.runtime.env", "cyclone_kit.runtime.dist",
+        "cyclone_kit.runtime.signals", "cyclone_kit.runtime.hvd", "cyclone_kit.runtime.torchcompat"},
+    "cyclone_kit.runtime.checkpoint": {"cyclone_kit.core", "cyclone_kit.rundir", "cyclone_kit.runtime.dist"},
+    "cyclone_kit.runtime.watchers": {"cyclone_kit.core", "cyclone_kit.rundir", "cyclone_kit.launchers", "cyclone_kit.slurm",
+                                     "cyclone_kit.runtime.signals", "cyclone_kit.runtime.importhook"},
+}
+#: room -> the only modules outside it that may import it: the engine is reached from the rank's entry alone
+#: (the public API and the session never import it, eagerly or lazily).
+ROOM_IMPORTERS = {"cyclone_kit.runtime.engine": {"cyclone_kit.runtime.__main__"}}
+#: module -> what it imports only inside functions (at call time): the engine's entry picks a strategy's
+#: engine when it runs, and the rank's entry answers --help and records failures without torch.
+LAZY_ONLY = {
+    "cyclone_kit.runtime.engine": {"cyclone_kit.runtime.engine.dataparallel", "cyclone_kit.runtime.engine.pipeline",
+                                   "cyclone_kit.runtime.hvd"},
+    "cyclone_kit.runtime.__main__": {"cyclone_kit.runtime.engine", "cyclone_kit.runtime.dist"},
+    "cyclone_kit.api": {"cyclone_kit.runtime"},
+}
+#: Compatibility aliases inside runtime/ (old module path -> the module it is): rendered batch scripts run
+#: ``python -m cyclone_kit.runtime.stepwatch``, and a requeued job re-runs its old script.
+RUNTIME_ALIASES = {"cyclone_kit.runtime.stepwatch": "cyclone_kit.runtime.watchers.jobstep",
+                   "cyclone_kit.runtime.watchdog": "cyclone_kit.runtime.watchers.rankexit"}
+#: Module paths that job scripts, older run directories and pickled submitit callables name.
+CALLED_BY_NAME = {"cyclone_kit.runtime", "cyclone_kit.runtime.__main__", "cyclone_kit.runtime.launch",
+                  "cyclone_kit.runtime.stepwatch", "cyclone_kit.runtime.watchdog", "cyclone_kit.launch",
+                  "cyclone_kit.ports", "cyclone_kit.doctor_probe", "cyclone_kit.core.ports", "cyclone_kit.doctor.probe",
+                  "cyclone_kit.backends.submitit_"}
 
 
 @dataclass(frozen=True)
@@ -237,6 +273,60 @@ def run_directory_writers(root: Path) -> set[str]:
     return found
 
 
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def room_violations(root: Path) -> list[str]:
+    """Imports that break the rank side's rooms (:data:`RANK_ROOMS`, :data:`ROOM_IMPORTERS`)."""
+    top = root.name
+    bad = []
+    for e in edges(root):
+        importer = top + e.importer[len(top):]
+        imported = top + e.imported[len(top):]
+        where = f"{importer}:{e.line} imports {imported}"
+        for room, allowed in RANK_ROOMS.items():
+            room = top + room[len("cyclone_kit"):]
+            if _within(importer, room) and not _within(imported, room) and not any(
+                    _within(imported, top + a[len("cyclone_kit"):]) for a in allowed):
+                bad.append(f"{where} ({room} may import only {sorted(allowed)} outside itself)")
+        for room, importers in ROOM_IMPORTERS.items():
+            if _within(imported, room) and not _within(importer, room) and importer not in importers:
+                bad.append(f"{where} (only {sorted(importers)} may import {room}: the entry picks the engine)")
+    return bad
+
+
+def eager_imports(path: Path) -> list[tuple[str, int]]:
+    """The package modules a module imports when it is imported (module level, under if/try too; not in functions)."""
+    found: list[tuple[str, int]] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.extend((a.name, node.lineno) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.extend((f"{node.module}.{a.name}", node.lineno) for a in node.names)
+            elif isinstance(node, ast.If | ast.Try):
+                for block in (node.body, node.orelse, *([h.body for h in node.handlers] if isinstance(node, ast.Try) else [])):
+                    visit(block)
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return found
+
+
+def lazy_violations(root: Path) -> list[str]:
+    """Module-level imports that :data:`LAZY_ONLY` wants at call time."""
+    mods, top, bad = modules(root), root.name, []
+    for module, lazy in LAZY_ONLY.items():
+        module = top + module[len("cyclone_kit"):]
+        for name, line in eager_imports(mods[module]):
+            name = top + name[len("cyclone_kit"):] if name.startswith("cyclone_kit") else name
+            hit = [x for x in lazy if _within(name, top + x[len("cyclone_kit"):])]
+            if hit:
+                bad.append(f"{module}:{line} imports {name} when imported (import it inside the function that uses it)")
+    return bad
+
+
 def test_no_import_cycles() -> None:
     assert cycles(PACKAGE) == []
 
@@ -267,6 +357,35 @@ def test_only_the_public_face_sits_at_the_root() -> None:
     assert loose <= ROOT_MODULES, sorted(loose - ROOT_MODULES)
     for alias in ALIASES & loose:
         assert len((PACKAGE / f"{alias}.py").read_text().splitlines()) < 12, f"{alias}.py must stay a thin alias"
+
+
+def test_the_rank_sides_rooms_hold() -> None:
+    assert room_violations(PACKAGE) == []
+
+
+def test_the_engine_and_its_strategies_are_imported_only_when_they_run() -> None:
+    assert lazy_violations(PACKAGE) == []
+
+
+def test_module_paths_called_by_name_keep_working() -> None:
+    mods = modules(PACKAGE)
+    rendered = set()
+    for template in (PACKAGE.parent / "templates").glob("*.j2"):
+        rendered |= set(re.findall(r"-m (cyclone_kit[\w.]*)", template.read_text()))
+    entry = (PACKAGE / "rundir" / "entry.py").read_text()
+    rendered |= set(re.findall(r'_MODULE = "(cyclone_kit[\w.]*)"', entry))
+    assert {"cyclone_kit.runtime.stepwatch", "cyclone_kit.runtime", "cyclone_kit.runtime.launch"} <= rendered
+    for name in rendered | CALLED_BY_NAME:
+        assert name in mods or f"{name}.__main__" in mods, f"{name} is named by job scripts or run directories"
+    for old, new in RUNTIME_ALIASES.items():
+        alias = mods[old]
+        assert len(alias.read_text().splitlines()) < 16, f"{old} must stay a thin alias"
+        assert f'runpy.run_module("{new}"' in alias.read_text(), f"python -m {old} must run {new}"
+        assert importlib.import_module(old) is importlib.import_module(new)  # stdlib-only watchers: no torch
+    submitit = ast.parse((PACKAGE / "backends" / "submitit_.py").read_text())
+    assert "train" in {n.name for n in submitit.body if isinstance(n, ast.FunctionDef)}, "pickled callables name it"
+    assert "run_training" in {n.name for n in ast.parse(mods["cyclone_kit.runtime.__main__"].read_text()).body
+                              if isinstance(n, ast.FunctionDef)}
 
 
 @pytest.fixture()
@@ -311,3 +430,24 @@ def test_a_planted_launcher_name_comparison_is_found(planted: Path) -> None:
     found = launcher_name_comparisons(planted)
     assert any("config.sweep" in v and "horovod" in v for v in found)
     assert any("submit.render" in v and "torchrun" in v for v in found)
+
+
+def test_planted_breaches_of_the_rank_sides_rooms_are_found(planted: Path) -> None:
+    session = planted / "runtime" / "session.py"
+    session.write_text(session.read_text() + "\n\ndef _late():\n    from cyclone_kit.runtime.engine.dataparallel import train\n")
+    loop = planted / "runtime" / "engine" / "loop.py"
+    loop.write_text(loop.read_text() + "\n\ndef _late():\n    from cyclone_kit.backends.slurm import SlurmBackend\n")
+    ckpt = planted / "runtime" / "checkpoint" / "fsdp.py"
+    ckpt.write_text(ckpt.read_text() + "\n\ndef _late():\n    from cyclone_kit.runtime.engine import plan\n")
+    found = room_violations(planted)
+    assert any("runtime.session" in v and "the entry picks the engine" in v for v in found)
+    assert any("engine.loop" in v and "backends.slurm" in v for v in found)
+    assert any("checkpoint.fsdp" in v and "runtime.engine.plan" in v for v in found)
+
+
+def test_a_planted_eager_strategy_import_is_found(planted: Path) -> None:
+    entry = planted / "runtime" / "engine" / "__init__.py"
+    entry.write_text(entry.read_text().replace("from __future__ import annotations\n",
+                                               "from __future__ import annotations\n\n"
+                                               "from cyclone_kit.runtime.engine import dataparallel\n", 1))
+    assert any("engine.dataparallel" in v and "when imported" in v for v in lazy_violations(planted))
