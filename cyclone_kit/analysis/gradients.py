@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from cyclone_kit.core.errors import ValidationError
 
-#: ResNet inputs at or below this size get the small-image stem (runtime/models.py SMALL_IMAGE_PX).
+#: ResNet inputs at or below this size get the small-image stem (runtime/engine/models.py SMALL_IMAGE_PX).
 SMALL_IMAGE_PX = 64
 
 

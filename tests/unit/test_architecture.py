@@ -46,7 +46,7 @@ ROOT_MODULES = {"__init__", "__main__", "api", "launch", "ports", "doctor_probe"
 ALIASES = {"launch", "ports", "doctor_probe"}
 #: The launcher registry: the only package that compares a launcher's name (the others ask it).
 LAUNCHER_REGISTRY = "launchers"
-#: Modules the launcher-name rule does not cover yet (none: runtime/watchdog.py asks LOCAL.started(environ)).
+#: Modules the launcher-name rule does not cover yet (none: runtime/watchers/rankexit.py asks LOCAL.started(environ)).
 LAUNCHER_RULE_PENDING: set[str] = set()
 #: The rank side's rooms inside runtime/: room -> what it may import outside itself (a module, or a
 #: package and everything in it). The engine stands on the session, checkpoints, watchers and the

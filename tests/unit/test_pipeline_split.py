@@ -1,4 +1,4 @@
-"""The pipeline's split (runtime/pipeline_split.py), layout and report figures (issue 24).
+"""The pipeline's split (runtime/engine/pipeline_split.py), layout and report figures (issue 24).
 
 Pure parts against brute force; the block split of resnet18/50 and mobilenet_v3 at 2, 4 and 8
 stages on block times measured here on the CPU (tiny inputs): every stage has parameters, the
