@@ -1,6 +1,7 @@
 """Backends submit a prepared run directory somewhere: ``slurm``, ``submitit`` or ``local``.
 
-Every backend implements :class:`cyclone_kit.backends.base.Backend` (``submit_run``, ``status``,
+Every backend implements :class:`cyclone_kit.backends.base.Backend` (``plan``: a
+:class:`~cyclone_kit.backends.plan.SubmissionPlan`, ``schedule``, ``submit_run``, ``status``,
 ``cancel``, ``log_files``); backends are registered here by name and imported lazily (submitit
 and torch only when chosen).
 """

@@ -18,8 +18,10 @@
 submitit keeps its pickles and per-task logs in ``RUN_DIR/submitit``; the runtime writes the
 same ``metrics.jsonl`` as with the other backends.
 
-What its batch script holds (``submit --backend submitit --dry-run`` prints it: :func:`sbatch_text`,
-submitit's own renderer on the same parameters, so it is what submitit writes): the profile's set-up,
+What its batch script holds (``submit --backend submitit --dry-run`` prints it: the text of
+:meth:`SubmititBackend.plan`, submitit's own renderer on the very keywords :meth:`SubmititBackend.schedule`
+hands the executor, so it is what submitit writes; the local executor writes none, and its plan's
+text is its keywords, the ranks' variables and the command, as JSON): the profile's set-up,
 the run directory, threads and malloc settings, and the same rendezvous as the sbatch templates (the
 first host and a port derived from the job id that is free on it, :func:`rendezvous_lines`). What it
 lacks, and says in a comment line of that script (:data:`NO_STEP_WATCHER`): submitit writes the
