@@ -31,10 +31,12 @@ def plan_submission(job: ResolvedJob, run_dir: Path, backend: Backend, *,
 
 
 def write_plan(plan: SubmissionPlan) -> None:
-    """Write the plan's files into its (existing) run directory: ``spec.json`` (the one writer of it), the
-    batch script (executable), the rest as they are; each file atomically."""
+    """Write the plan's files into its (existing) run directory: the batch script (executable), the rest
+    as they are, and ``spec.json`` (the one writer of it) last; each file atomically. A directory is a run
+    once its ``spec.json`` exists (``RunDir.is_run_dir``), so one cut short here (a kill, a full disk) is
+    never taken for a run with missing files."""
     rd = RunDir(plan.run_dir)
-    for rel, data in plan.files.items():
+    for rel, data in sorted(plan.files.items(), key=lambda item: rd.path / item[0] == rd.spec):
         target = rd.path / rel
         if target == rd.spec:
             rd.write_spec(str(data))

@@ -133,3 +133,25 @@ def test_a_plan_is_a_frozen_value_and_planning_writes_nothing(tmp_path: Path) ->
         plan.script = ""  # type: ignore[misc]
     with pytest.raises(TypeError):
         plan.files["spec.json"] = "{}"  # type: ignore[index]
+
+
+def test_a_write_cut_short_leaves_a_directory_that_is_no_run(tmp_path: Path, monkeypatch) -> None:
+    """spec.json (what makes a directory a run) is written last: a write that fails after the batch script
+    (a full disk, a kill) leaves no directory that status, report or a resume would take for a run."""
+    from cyclone_kit.rundir.layout import RunDir, is_run_dir
+
+    written: list[str] = []
+    real = RunDir.write_script
+
+    def failing_after_the_script(self, text):  # type: ignore[no-untyped-def]
+        real(self, text)
+        written.append("job.sbatch")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RunDir, "write_script", failing_after_the_script)
+    plan = submission.plan_submission(_job(), tmp_path / "run", submission.get_backend("slurm"))
+    (tmp_path / "run").mkdir()
+    with pytest.raises(OSError):
+        submission.write_plan(plan)
+    assert written == ["job.sbatch"] and (tmp_path / "run" / "job.sbatch").exists()
+    assert not is_run_dir(tmp_path / "run")
