@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError, did_you_mean
 
 if TYPE_CHECKING:
     from cyclone_kit.backends.base import Backend
@@ -31,8 +31,6 @@ def check_backend_name(name: str) -> str:
         ValidationError: no such backend (with the closest name, when one is close).
     """
     if name not in BACKENDS:
-        from cyclone_kit.config.toolbox import did_you_mean
-
         raise ValidationError(f"unknown backend {name!r}",
                               hint=did_you_mean([name], list(BACKENDS)) + f"use one of: {', '.join(BACKENDS)}")
     return name

@@ -40,7 +40,7 @@ from cyclone_kit.backends.srun_emulator import (
     record_submission,
 )
 from cyclone_kit.config.container import container_environment, container_runtime
-from cyclone_kit.config.jobspec import spec_json
+from cyclone_kit.config.validate import spec_json
 from cyclone_kit.core.errors import RankFailure, ValidationError
 from cyclone_kit.launchers import LOCAL, Wrapped
 from cyclone_kit.rundir import failures

@@ -76,7 +76,8 @@ class SubmissionPlan:
 def run_dir_files(job: ResolvedJob, *, spec_text: str | None = None) -> dict[str, str | bytes]:
     """The files every backend's run directory gets: ``spec.json`` (the resolved spec, or
     ``spec_text``) and a user script's copy with its snapshot (reads the script; writes nothing)."""
-    from cyclone_kit.config.jobspec import script_files, spec_json
+    from cyclone_kit.config.script import script_files
+    from cyclone_kit.config.validate import spec_json
     from cyclone_kit.rundir.layout import SPEC_FILE
 
     return {SPEC_FILE: spec_json(job) if spec_text is None else spec_text, **script_files(job.spec)}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cyclone_kit.backends.local import LocalBackend
+    from cyclone_kit.config.job import JobSpec
     from cyclone_kit.config.validate import ResolvedJob
 
 
@@ -65,6 +66,36 @@ def _backend(args: argparse.Namespace, job: ResolvedJob) -> LocalBackend:
                         extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
 
 
+def spec_for_run(args: argparse.Namespace) -> JobSpec:
+    """The spec a new ``run`` trains (reads the spec file): the command line's spec, refused when it asks for
+    in-job restarts (the local launcher has no step watcher), with ``--horovod``'s launcher.
+
+    Raises:
+        ValidationError: in-job restart settings, or ``--horovod`` without a script.
+    """
+    import dataclasses
+
+    from cyclone_kit.config.jobspec import spec_from_args
+    from cyclone_kit.config.validate import refuse_restart_flags
+    from cyclone_kit.core.errors import ValidationError
+    from cyclone_kit.launchers import HOROVOD
+
+    spec = spec_from_args(args)
+    res = spec.resources
+    if res.spare_nodes or 0 < res.min_nodes < res.nodes:  # the local launcher has no step watcher
+        keys = [k for k, on in (("spare_nodes", bool(res.spare_nodes)),
+                                ("min_nodes", 0 < res.min_nodes < res.nodes)) if on]
+        refuse_restart_flags([f"resources.{k}={getattr(res, k)}" for k in keys],
+                             [f"drop resources.{k}" for k in keys], "`cyclone-kit run` (ranks on this machine)",
+                             "submit it with cyclone-kit submit (the slurm backend), or")
+    if args.horovod:
+        if spec.script is None:
+            raise ValidationError("--horovod is for a script run",
+                                  hint="give SCRIPT.py, or use --set train.strategy=horovod")
+        spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher=HOROVOD.name))
+    return spec
+
+
 def run(args: argparse.Namespace) -> int:
     """Create the run directory, launch the ranks, report the outcome; returns 0, 1 (a rank failed) or 130.
 
@@ -74,8 +105,10 @@ def run(args: argparse.Namespace) -> int:
     from cyclone_kit.backends.local import local_job
     from cyclone_kit.backends.local_env import gpu_slices, visible_gpus
     from cyclone_kit.backends.srun_emulator import format_failure
-    from cyclone_kit.config.job import load_spec, spec_from_dict
-    from cyclone_kit.config.jobspec import checked_spec, fill_args, refuse_restart_flags, spec_dict_from_args
+    from cyclone_kit.config.container import check_container
+    from cyclone_kit.config.job import load_spec
+    from cyclone_kit.config.script import checked_job
+    from cyclone_kit.config.validate import check_backend
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.rundir.layout import RunDir
     from cyclone_kit.submit.submission import prepare
@@ -105,29 +138,9 @@ def run(args: argparse.Namespace) -> int:
         plan = backend.plan(job, rd.path, rerun=True)  # the directory and its files exist: only the threads change
         rd.set_threads(int(plan.parameters["threads_per_rank"]))
     else:
-        spec, _ = checked_spec(spec_from_dict(spec_dict_from_args(args)))
-        res = spec.resources
-        if res.spare_nodes or 0 < res.min_nodes < res.nodes:  # the local launcher has no step watcher
-            keys = [k for k, on in (("spare_nodes", bool(res.spare_nodes)),
-                                    ("min_nodes", 0 < res.min_nodes < res.nodes)) if on]
-            refuse_restart_flags([f"resources.{k}={getattr(res, k)}" for k in keys],
-                                 [f"drop resources.{k}" for k in keys], "`cyclone-kit run` (ranks on this machine)",
-                                 "submit it with cyclone-kit submit (the slurm backend), or")
-        if args.horovod:
-            if spec.script is None:
-                raise ValidationError("--horovod is for a script run",
-                                      hint="give SCRIPT.py, or use --set train.strategy=horovod")
-            import dataclasses
-
-            from cyclone_kit.launchers import HOROVOD
-
-            spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher=HOROVOD.name))
-        job = fill_args(local_job(spec, args.nproc, args.nodes, args.threads))
-        if job.spec.container is not None:  # the spec's own [container] (no cluster profile takes part here)
-            from cyclone_kit.config.jobspec import check_backend, check_container
-
-            check_backend(job.spec, "local")
-            job = check_container(job, Path(args.runs_dir))
+        job = local_job(spec_for_run(args), args.nproc, args.nodes, args.threads)
+        check_backend(job.spec, "local")  # a container the local launcher cannot run (pyxis needs srun)
+        job = check_container(checked_job(job, data_check=False), Path(args.runs_dir))
         backend = _backend(args, job)
         plan = prepare(job, Path(args.runs_dir), backend)  # the run directory holds the plan's files
         rd = RunDir(plan.run_dir)

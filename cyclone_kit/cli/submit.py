@@ -28,14 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Submit the job (or, with ``--dry-run``, print its backend's plan); prints the job id and run directory."""
     from cyclone_kit.backends import get_backend
-    from cyclone_kit.config.jobspec import check_backend, check_restart_backend, job_from_args
+    from cyclone_kit.config.request import job_from_args
     from cyclone_kit.rundir.layout import run_dir_name
     from cyclone_kit.submit.submission import plan_submission, submit_job
 
     backend = get_backend(args.backend)  # a dry run is a rehearsal of the real submit: same refusals
-    job = job_from_args(args, args.backend)
-    check_backend(job.spec, args.backend)
-    check_restart_backend(job, args.backend)
+    job = job_from_args(args, args.backend)  # config/'s one way down: spec, profile, resolve, script, container
     runs_dir = Path(args.runs_dir).absolute()
     if args.dry_run:  # the plan the backend would schedule, for the directory's name at this second
         sys.stdout.write(plan_submission(job, runs_dir / run_dir_name(job.spec.name), backend).text())

@@ -59,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     """Plan, create, run or submit (:mod:`cyclone_kit.submit.study`), print; returns 0, or 1 when a point failed."""
     import dataclasses
 
-    from cyclone_kit.config.jobspec import check_data_dir, script_flag_values
+    from cyclone_kit.config.jobspec import script_flag_values
     from cyclone_kit.config.profile import load_profile
+    from cyclone_kit.config.script import check_data_dir
     from cyclone_kit.config.sweep import load_sweep
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.submit import study as lib
@@ -82,19 +83,21 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_data_check:
         check_data_dir(sweep.base)
     if sweep.base.script is not None:  # the script exists and compiles; its hash goes into every point
-        from cyclone_kit.config.jobspec import check_backend, checked_spec
+        from cyclone_kit.config.script import checked_spec
+        from cyclone_kit.config.validate import check_backend
 
         check_backend(sweep.base, args.backend)
         sweep = dataclasses.replace(sweep, base=checked_spec(sweep.base)[0])
     profile = load_profile(sweep.base.resources.profile)
     runs = lib.plan(sweep, profile)
-    from cyclone_kit.config.jobspec import check_restart_backend
+    from cyclone_kit.config.validate import check_restart_backend
 
     for r in runs:  # a point may set resources.spare_nodes / min_nodes
         check_restart_backend(r.job, args.backend)
     runs_dir = Path(args.runs_dir).absolute()
     if any(r.job.spec.container is not None for r in runs):  # the image, runtime and binds, before anything is written
-        from cyclone_kit.config.jobspec import check_backend, check_container
+        from cyclone_kit.config.container import check_container
+        from cyclone_kit.config.validate import check_backend
 
         check_backend(runs[0].job.spec, args.backend)
         runs = tuple(dataclasses.replace(r, job=check_container(r.job, runs_dir)) for r in runs)

@@ -17,7 +17,7 @@ import sysconfig
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.launchers.containers import (
@@ -34,6 +34,19 @@ from cyclone_kit.launchers.containers import (
     rank_env,
     runtime_names,
 )
+
+
+class _PlacedJob(Protocol):
+    """What :func:`check_container` reads of a :class:`~cyclone_kit.config.validate.ResolvedJob` (not imported
+    here: validate imports this module)."""
+
+    @property
+    def spec(self) -> Any: ...
+    @property
+    def partition(self) -> Any: ...
+
+
+Job = TypeVar("Job", bound=_PlacedJob)
 
 
 @dataclass(frozen=True)
@@ -150,7 +163,8 @@ def container_runtime(spec: Any, run_dir: Path | str, *, gpus: bool = False) -> 
     box = spec.container
     if box is None:
         return None
-    binds = job_binds(box.runtime, container_paths(spec, run_dir), box.bind_list)
+    needed = container_paths(spec, run_dir)
+    binds = job_binds(box.runtime, needed, box.bind_list)
     script = getattr(spec, "script", None)
     cwd = script.chdir if script is not None and script.chdir else str(run_dir)
     return make_runtime(box.runtime, box.image, binds, rank_env(box.runtime), gpus=gpus, cwd=cwd)
@@ -212,3 +226,19 @@ def container_problems(container: ContainerConfig, needed: Iterable[str], partit
             if path.is_dir() and not (path / bind.target.lstrip("/")).is_dir():
                 raise ValidationError(f"Charliecloud image {image} has no folder {bind.target} for the bind "
                                       f"{bind.spec}", hint=f"mkdir -p {path / bind.target.lstrip('/')}")
+
+
+def check_container(job: Job, runs_dir: Path) -> Job:
+    """``job`` with its container's ``pythonpath`` filled in from this venv (``host_venv``), checked on this
+    login node (:func:`container_problems`); ``job`` itself without a container.
+
+    Raises:
+        ValidationError: the runtime is not installed, the image or a bind does not exist, or the image lacks
+            a mount point, before any run directory is written.
+    """
+    if job.spec.container is None:
+        return job
+    spec = dataclasses.replace(job.spec, container=with_host_paths(job.spec.container))
+    needed = container_paths(spec, runs_dir.absolute() / "run")  # a run directory's folder stands for it
+    container_problems(spec.container, needed, job.partition.name)
+    return dataclasses.replace(job, spec=spec)

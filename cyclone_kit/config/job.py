@@ -22,15 +22,14 @@ from cyclone_kit.config.toolbox import (
     check_non_negative,
     check_positive,
     check_safe_token,
-    did_you_mean,
     field_names,
     parse_assignment,
-    parse_mem_mb,
     read_text,
     read_toml,
 )
-from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError, did_you_mean
 from cyclone_kit.launchers import DEFAULT, selectable_names
+from cyclone_kit.slurm.memory import parse_mem_mb
 from cyclone_kit.slurm.walltime import parse_time
 
 #: Models the runtime can build (cyclone_kit.runtime.models implements every one).
@@ -228,8 +227,9 @@ class ScriptConfig:
 
     Exactly one of ``path`` (a ``.py`` file; absolute once resolved) and ``module`` (run as
     ``python -m MODULE``). ``args`` may hold the placeholders of :data:`SCRIPT_PLACEHOLDERS`
-    (filled per job by :func:`fill_script_args`). ``batch_size`` is the per-device batch the
-    script trains with, when known (records, sweeps, ``{per_device_batch_size}``); 0: not told.
+    (filled per job by :func:`cyclone_kit.config.script.fill_script_args`). ``batch_size`` is the
+    per-device batch the script trains with, when known (records, sweeps, ``{per_device_batch_size}``);
+    0: not told.
     ``sha256`` is the content hash of the script file recorded at submission.
     ``chdir`` is the job's working directory (absolute once resolved; default: the folder
     ``submit`` ran in, as ``sbatch`` does), so the script's relative paths (``./data``,
@@ -290,31 +290,6 @@ class ScriptConfig:
 SCRIPT_PLACEHOLDERS = ("per_device_batch_size", "global_batch_size", "world_size", "num_nodes")
 
 
-def fill_script_args(args: typing.Iterable[str], values: typing.Mapping[str, int]) -> tuple[str, ...]:
-    """Replace ``{world_size}`` & co. (:data:`SCRIPT_PLACEHOLDERS`) in ``args`` (pure).
-
-    Other braces are left alone (JSON in an argument stays intact).
-
-    Raises:
-        ValidationError: a placeholder is used but its value is unknown (0), e.g.
-            ``{per_device_batch_size}`` without ``script.batch_size`` or a sweep.
-    """
-    import re
-
-    def sub(match: re.Match[str]) -> str:
-        key = match.group(1)
-        value = values.get(key, 0)
-        if not value:
-            raise ValidationError(
-                f"script argument uses {{{key}}} but this job does not know it",
-                hint="set script.batch_size (the per-device batch), or run the script in a sweep",
-            )
-        return str(value)
-
-    pattern = re.compile(r"\{(" + "|".join(SCRIPT_PLACEHOLDERS) + r")\}")
-    return tuple(pattern.sub(sub, arg) for arg in args)
-
-
 @dataclass(frozen=True)
 class JobSpec:
     """A whole job: its name plus the train (or script), resources and checkpoint sections.
@@ -355,6 +330,13 @@ def validate_name(name: str) -> None:
             f"job name {name!r} is not allowed",
             hint="use 1-64 ASCII letters, digits, '.', '_', '+' or '-', not starting with '.' or '-'",
         )
+
+
+def job_name_for(script: ScriptConfig) -> str:
+    """A valid job name from the script's file or module name (``plain_ddp``; pure)."""
+    stem = Path(script.path).stem if script.path else script.module.rsplit(".", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9._+-]", "-", stem).lstrip(".-")[:64]
+    return name or "script"
 
 
 def spec_from_dict(data: dict[str, Any]) -> JobSpec:

@@ -21,6 +21,12 @@ no longer matches the hash). A ``-m MODULE`` always runs live (the copy is its s
 
 The job's working directory (``script.chdir``) is resolved here too: the folder ``submit`` ran in
 unless told otherwise (``--chdir DIR``, or ``chdir`` in ``[script]``, relative to the spec file).
+
+:func:`checked_job` is the request's step for what the job reads from this machine: the built-in
+trainer's ``train.data_dir`` exists here (:func:`check_data_dir`), a script exists, compiles and is
+hashed (:func:`checked_spec`), and its args' placeholders are filled from the job's layout
+(:func:`fill_args`). :func:`script_files` is the run directory's copy of the script, read again at
+writing time (refused if it changed).
 """
 
 from __future__ import annotations
@@ -29,11 +35,16 @@ import dataclasses
 import hashlib
 import os
 import re
+import typing
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cyclone_kit.config.job import ScriptConfig
+from cyclone_kit.config.job import SCRIPT_PLACEHOLDERS, JobSpec, ScriptConfig
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.layout import USER_SCRIPT_DIR as COPY_DIR  # the run directory's layout is RunDir's
+
+if TYPE_CHECKING:
+    from cyclone_kit.config.validate import ResolvedJob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +163,6 @@ def compile_check(content: bytes, filename: str) -> None:
         raise ValidationError(f"{filename}: cannot be compiled ({e})", hint="is it a Python source file?") from None
 
 
-def job_name_for(script: ScriptConfig) -> str:
-    """A valid job name from the script's file or module name (``plain_ddp``; pure)."""
-    stem = Path(script.path).stem if script.path else script.module.rsplit(".", 1)[-1]
-    name = re.sub(r"[^A-Za-z0-9._+-]", "-", stem).lstrip(".-")[:64]
-    return name or "script"
-
-
 def check_script(script: ScriptConfig, base_dir: Path | str) -> CheckedScript:
     """Resolve ``script`` against ``base_dir``, check it exists and compiles, and hash it.
 
@@ -233,3 +237,90 @@ def _module_source(module: str) -> Path:
         raise ValidationError(f"module {module!r} has no Python source ({spec.origin})",
                               hint="give a module written in Python, or a .py path")
     return Path(spec.origin)
+
+
+def checked_job(job: ResolvedJob, *, data_check: bool = True) -> ResolvedJob:
+    """``job`` with what it reads from this machine checked: its ``train.data_dir`` (unless ``data_check``
+    is False: ``--no-data-check``), its script (exists, compiles, hashed) and its script's args filled in.
+
+    Raises:
+        ValidationError: :func:`check_data_dir`'s, :func:`check_script`'s or :func:`fill_script_args`' refusals.
+    """
+    if data_check:
+        check_data_dir(job.spec)
+    spec, _ = checked_spec(job.spec)
+    return fill_args(dataclasses.replace(job, spec=spec))
+
+
+def check_data_dir(spec: JobSpec) -> None:
+    """Refuse a ``train.data_dir`` that does not exist on this (login) node, before any queue wait.
+
+    Only datasets read from disk are checked; callers skip the check for ``--no-data-check``.
+
+    Raises:
+        ValidationError: the directory is missing or is not a directory.
+    """
+    if spec.train.dataset == "synthetic" or not spec.train.data_dir:
+        return
+    path = Path(spec.train.data_dir).expanduser()
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist on this machine"
+        raise ValidationError(
+            f"train.data_dir {spec.train.data_dir!r} {what}",
+            hint="fix the path (--set train.data_dir=/path/to/data), or pass --no-data-check "
+                 "if only the compute nodes can see it",
+        )
+
+
+def checked_spec(spec: JobSpec) -> tuple[JobSpec, CheckedScript | None]:
+    """``spec`` with its script checked (exists, compiles) and hashed; (spec, CheckedScript or None)."""
+    if spec.script is None:
+        return spec, None
+    checked = check_script(spec.script, Path.cwd())
+    return dataclasses.replace(spec, script=checked.config), checked
+
+
+def fill_script_args(args: typing.Iterable[str], values: typing.Mapping[str, int]) -> tuple[str, ...]:
+    """Replace ``{world_size}`` & co. (:data:`SCRIPT_PLACEHOLDERS`) in ``args`` (pure).
+
+    Other braces are left alone (JSON in an argument stays intact).
+
+    Raises:
+        ValidationError: a placeholder is used but its value is unknown (0), e.g.
+            ``{per_device_batch_size}`` without ``script.batch_size`` or a sweep.
+    """
+    def sub(match: re.Match[str]) -> str:
+        key = match.group(1)
+        value = values.get(key, 0)
+        if not value:
+            raise ValidationError(
+                f"script argument uses {{{key}}} but this job does not know it",
+                hint="set script.batch_size (the per-device batch), or run the script in a sweep",
+            )
+        return str(value)
+
+    pattern = re.compile(r"\{(" + "|".join(SCRIPT_PLACEHOLDERS) + r")\}")
+    return tuple(pattern.sub(sub, arg) for arg in args)
+
+
+def fill_args(job: ResolvedJob) -> ResolvedJob:
+    """The job with the placeholders in its script's args filled from its layout (pure)."""
+    spec = job.spec
+    if spec.script is None:
+        return job
+    per_device = spec.script.batch_size
+    values = {"per_device_batch_size": per_device, "global_batch_size": per_device * job.world_size,
+              "world_size": job.world_size, "num_nodes": job.nodes}
+    script = dataclasses.replace(spec.script, args=fill_script_args(spec.script.args, values))
+    return dataclasses.replace(job, spec=dataclasses.replace(spec, script=script))
+
+
+def script_files(spec: JobSpec) -> dict[str, bytes]:
+    """The run directory's copy of the job's script and its snapshot (``{}`` for the built-in trainer)."""
+    if spec.script is None:
+        return {}
+    checked = check_script(spec.script, Path.cwd())
+    if checked.config.sha256 != spec.script.sha256:
+        raise ValidationError(f"script {checked.source_path} changed while the job was being prepared",
+                              hint="submit again")
+    return checked.files()

@@ -33,9 +33,9 @@ from typing import Any
 
 from cyclone_kit.config.job import SECTIONS, JobSpec, apply_overrides, set_fields, spec_from_dict, spec_to_dict, validate_name
 from cyclone_kit.config.profile import ClusterProfile
-from cyclone_kit.config.toolbox import did_you_mean, read_toml
+from cyclone_kit.config.toolbox import read_toml
 from cyclone_kit.config.validate import ResolvedJob, resolve
-from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError, did_you_mean
 from cyclone_kit.launchers import get_launcher
 
 MODES = ("strong", "weak")
@@ -374,7 +374,7 @@ def point_spec(sweep: SweepSpec, point: SweepPoint, profile: ClusterProfile) -> 
     resources = dataclasses.replace(res, nodes=point.nodes, **layout)
     name = f"{sweep.name}-ws{point.world_size}"
     if sweep.base.script is not None:  # the script's args get the point's numbers ({per_device_batch_size} ...)
-        from cyclone_kit.config.job import fill_script_args
+        from cyclone_kit.config.script import fill_script_args
 
         per_device = sweep.per_device_batch(point.world_size)
         values = {"per_device_batch_size": per_device, "global_batch_size": per_device * point.world_size,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import re
 import types
 import typing
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 import tomllib
 
-from cyclone_kit.core.errors import ValidationError
+from cyclone_kit.core.errors import ValidationError, did_you_mean
 
 
 def reject_empty_strings(data: Any, source: str, where: str = "") -> None:
@@ -36,18 +35,6 @@ def reject_empty_strings(data: Any, source: str, where: str = "") -> None:
             f"{where} is empty in {source}",
             hint=f"remove the {where.rsplit('.', 1)[-1]} line to use the default, or give it a value",
         )
-
-
-def parse_mem_mb(text: str) -> int:
-    """Slurm's ``--mem`` value (a count with an optional K, M, G or T suffix; M by default) in MiB."""
-    match = re.fullmatch(r"(\d+)([KMGT]?)B?", text.strip().upper())
-    if not match or int(match.group(1)) == 0:
-        raise ValidationError(
-            f"resources.mem {text!r} is not a memory size Slurm accepts",
-            hint="write it as a positive count with a unit, e.g. '32G' or '16000M'",
-        )
-    factor = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[match.group(2)]
-    return max(1, int(int(match.group(1)) * factor))
 
 
 def parse_assignment(item: str) -> tuple[str, Any]:
@@ -90,17 +77,6 @@ def read_text(path: Path) -> str:
         raise ValidationError(f"cannot read {str(path)!r}: permission denied", hint="check the file's permissions") from None
     except UnicodeDecodeError:
         raise ValidationError(f"{str(path)!r} is not UTF-8 text", hint="save the file as UTF-8") from None
-
-
-def did_you_mean(unknown: typing.Sequence[str], valid: typing.Sequence[str]) -> str:
-    """``"did you mean train.lr (not train.lrr)? "`` for the first unknown key with a close valid one, else ``""``."""
-    import difflib
-
-    for key in unknown:
-        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-        if close:
-            return f"did you mean {close[0]} (not {key})? "
-    return ""
 
 
 def field_names(cls: type) -> list[str]:

@@ -2,21 +2,25 @@
 
 Every check raises a one-line :class:`ValidationError` whose HINT names the fix, so a
 request that cannot run never reaches the queue (``sbatch -N3`` on a 2-node partition is
-accepted by Slurm and then pends forever).
+accepted by Slurm and then pends forever). :func:`check_backend` and :func:`check_restart_backend`
+refuse what the chosen backend cannot run; :func:`spec_json` is the resolved spec as the run
+directory records it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from cyclone_kit.config.container import merged
-from cyclone_kit.config.job import JobSpec
+from cyclone_kit.config.job import JobSpec, spec_to_dict
 from cyclone_kit.config.profile import ClusterProfile, Partition
-from cyclone_kit.config.toolbox import parse_mem_mb
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.core.version import torch_release
 from cyclone_kit.launchers import Launcher, get_launcher
+from cyclone_kit.launchers.containers import RUNTIMES
+from cyclone_kit.slurm.memory import parse_mem_mb
 from cyclone_kit.slurm.walltime import format_time, parse_time
 
 
@@ -229,3 +233,83 @@ def check_script_gpu_layout(spec: JobSpec, profile: ClusterProfile, gpus: int, t
             hint="let every task see its node's GPUs: gpu_bind = \"none\" in the profile and no --gpus-per-task "
                  "(or read the device from ck.init()'s ctx.device, which copes with either layout)",
         )
+
+
+def check_backend(spec: JobSpec, backend: str) -> None:
+    """Refuse a backend that cannot run a user's script (submitit runs the built-in trainer's callable),
+    or a container (the submitit backend never wraps its ranks; the local one cannot run Pyxis, which needs srun)."""
+    box = spec.container
+    if box is not None and (backend == "submitit" or (backend == "local" and not RUNTIMES[box.runtime].local)):
+        raise ValidationError(f"a container job ({box.runtime} image {box.image}) with the {backend} backend, which "
+                              f"cannot run {box.runtime}",
+                              hint="use --backend slurm (default), or drop --container"
+                              + (" (the local backend runs charliecloud and apptainer images)" if backend == "local" else ""))
+    if spec.script is not None and backend == "submitit":
+        raise ValidationError(f"the submitit backend runs the built-in trainer, not {spec.script.label}",
+                              hint="use --backend slurm (default) or --backend local for a script")
+
+
+def check_restart_backend(job: ResolvedJob, backend: str) -> None:
+    """Refuse spare nodes or a shrink floor on a backend without the step watcher that uses them.
+
+    Only the slurm backend's batch script restarts a step inside the job (``--spare-nodes``,
+    ``--min-nodes``, or the profile's ``spare_nodes``); the local and submitit backends would
+    silently ignore them.
+
+    Raises:
+        ValidationError: ``job`` restarts in the job and ``backend`` is not slurm.
+    """
+    if backend == "slurm" or not job.restarts_in_job:
+        return
+    asked, drop = [], []
+    if job.spare_nodes and job.spec.resources.spare_nodes is None:
+        asked.append(f"profile {job.profile.name!r} spare_nodes={job.spare_nodes}")
+        drop.append("pass --spare-nodes 0")
+    elif job.spare_nodes:
+        asked.append(f"--spare-nodes={job.spare_nodes}")
+        drop.append("drop --spare-nodes (resources.spare_nodes)")
+    if 0 < job.min_nodes < job.nodes:
+        asked.append(f"--min-nodes={job.min_nodes}")
+        drop.append("drop --min-nodes (resources.min_nodes)")
+    refuse_restart_flags(asked, drop, f"the {backend} backend", "use --backend slurm (default), or")
+
+
+def refuse_restart_flags(asked: list[str], drop: list[str], where: str, fix: str) -> None:
+    """The refusal of in-job restart settings that ``where`` would ignore (pure).
+
+    Args:
+        asked: the settings asked for, as the user wrote them (``--spare-nodes=1``).
+        drop: how to take each back.
+        where: what would ignore them; fix: the hint's first choice, ending in "or".
+
+    Raises:
+        ValidationError: always.
+    """
+    raise ValidationError(
+        f"{' and '.join(asked)}: in-job restarts (spare nodes, a shrink floor) need the slurm backend's step "
+        f"watcher; {where} would ignore them",
+        hint=f"{fix} {' and '.join(drop)}",
+    )
+
+
+def resolved_spec(job: ResolvedJob) -> JobSpec:
+    """The spec with every resource the profile decided written in (what the run records)."""
+    res = dataclasses.replace(
+        job.spec.resources,
+        partition=job.partition.name,
+        gpus_per_node=job.gpus_per_node,
+        # torchrun on CPU nodes: the workers per node (its --nproc-per-node), as the flag meant
+        ntasks_per_node=job.launcher.recorded_tasks_per_node(job.ntasks_per_node, job.procs_per_node,
+                                                             job.gpus_per_node),
+        cpus_per_task=job.cpus_per_task,
+        time=job.time,
+        account=job.account,
+        spare_nodes=job.spare_nodes,
+        min_nodes=job.min_nodes,
+    )
+    return dataclasses.replace(job.spec, resources=res)
+
+
+def spec_json(job: ResolvedJob) -> str:
+    """The resolved spec as the run directory's ``spec.json`` text."""
+    return json.dumps(spec_to_dict(resolved_spec(job)), indent=2, sort_keys=True) + "\n"

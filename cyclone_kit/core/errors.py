@@ -93,3 +93,14 @@ class TrainingDiverged(CycloneError):
 
 class RankFailure(CycloneError):
     """A rank of a distributed run died; the message is the root cause line."""
+
+
+def did_you_mean(unknown: Sequence[str], valid: Sequence[str]) -> str:
+    """``"did you mean train.lr (not train.lrr)? "`` for the first unknown key with a close valid one, else ``""``."""
+    import difflib
+
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        if close:
+            return f"did you mean {close[0]} (not {key})? "
+    return ""

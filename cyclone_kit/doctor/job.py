@@ -220,7 +220,7 @@ def run_doctor(options: DoctorOptions, *, environ: Mapping[str, str] | None = No
     job = doctor_request(options.profile, options.partition, options.nodes, options.account, options.ntasks_per_node,
                          box)
     if job.spec.container is not None:  # the image, runtime and binds here, before the job (exit 2 when wrong)
-        from cyclone_kit.config.jobspec import check_container
+        from cyclone_kit.config.container import check_container
 
         job = check_container(job, options.runs_dir)
     user = environ.get("USER") or getpass.getuser()

@@ -10,9 +10,8 @@ import pytest
 
 from cyclone_kit.backends.submitit_ import SubmititBackend
 from cyclone_kit.config.job import load_spec
-from cyclone_kit.config.jobspec import spec_json
 from cyclone_kit.config.profile import load_profile
-from cyclone_kit.config.validate import resolve
+from cyclone_kit.config.validate import resolve, spec_json
 from cyclone_kit.core.errors import RankFailure, ValidationError
 from cyclone_kit.rundir.layout import create_run_dir
 from tests.helpers.cli import REPO, run_cli

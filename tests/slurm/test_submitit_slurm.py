@@ -58,9 +58,8 @@ def test_submit_backend_submitit_runs_four_ranks_on_two_nodes(slurm_cluster: dic
 
 def test_dependency_is_passed_to_sbatch(submit, tmp_path: Path) -> None:
     from cyclone_kit.config.job import load_spec
-    from cyclone_kit.config.jobspec import spec_json
     from cyclone_kit.config.profile import load_profile
-    from cyclone_kit.config.validate import resolve
+    from cyclone_kit.config.validate import resolve, spec_json
     from cyclone_kit.rundir.layout import create_run_dir
 
     job = resolve(load_spec(REPO / "jobs" / "smoke.toml"), load_profile("local"))

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from cyclone_kit.cli.app import split_script_args
-from cyclone_kit.config.job import ScriptConfig, fill_script_args, resolve_key, spec_from_dict, spec_to_dict
-from cyclone_kit.config.jobspec import fill_args, is_script_path
+from cyclone_kit.config.job import ScriptConfig, job_name_for, resolve_key, spec_from_dict, spec_to_dict
+from cyclone_kit.config.jobspec import is_script_path
 from cyclone_kit.config.profile import load_profile
-from cyclone_kit.config.script import check_script, compile_check, job_name_for, sha256_hex
+from cyclone_kit.config.script import check_script, compile_check, fill_args, fill_script_args, sha256_hex
 from cyclone_kit.config.sweep import expand, sweep_from_dict
 from cyclone_kit.config.validate import resolve
 from cyclone_kit.core.errors import ValidationError

@@ -12,10 +12,10 @@ import pytest
 
 from cyclone_kit.cli.logs import is_text
 from cyclone_kit.config.job import ScriptConfig, spec_from_dict
-from cyclone_kit.config.jobspec import resolved_spec, spec_dict_from_args
+from cyclone_kit.config.jobspec import spec_dict_from_args
 from cyclone_kit.config.profile import load_profile
 from cyclone_kit.config.script import check_script, importable_files
-from cyclone_kit.config.validate import resolve
+from cyclone_kit.config.validate import resolve, resolved_spec
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir import failures
 from cyclone_kit.rundir.entry import rank_words
