@@ -67,15 +67,20 @@ def _backend(args: argparse.Namespace, job: ResolvedJob) -> LocalBackend:
 
 
 def spec_for_run(args: argparse.Namespace) -> JobSpec:
-    """The spec a new ``run`` trains (reads the spec file): the command line's spec, refused when it asks for
-    in-job restarts (the local launcher has no step watcher), with ``--horovod``'s launcher.
+    """The spec a new ``run`` trains (reads the spec file and the profile): the command line's spec, refused
+    when it asks for in-job restarts (the local launcher has no step watcher), ``--horovod``'s launcher, and
+    the profile's ``[container]`` under the job's own (:func:`~cyclone_kit.config.container.merged`: the job's
+    runtime, image and python win, binds are the profile's then the job's), as ``submit`` merges them.
 
     Raises:
-        ValidationError: in-job restart settings, or ``--horovod`` without a script.
+        ValidationError: in-job restart settings, ``--horovod`` without a script, a container table without
+            an image or a runtime, or the spec's profile cannot be loaded.
     """
     import dataclasses
 
+    from cyclone_kit.config.container import merged
     from cyclone_kit.config.jobspec import spec_from_args
+    from cyclone_kit.config.profile import load_profile
     from cyclone_kit.config.validate import refuse_restart_flags
     from cyclone_kit.core.errors import ValidationError
     from cyclone_kit.launchers import HOROVOD
@@ -93,7 +98,8 @@ def spec_for_run(args: argparse.Namespace) -> JobSpec:
             raise ValidationError("--horovod is for a script run",
                                   hint="give SCRIPT.py, or use --set train.strategy=horovod")
         spec = dataclasses.replace(spec, resources=dataclasses.replace(spec.resources, launcher=HOROVOD.name))
-    return spec
+    container = merged(spec.container, load_profile(spec.resources.profile).container)
+    return spec if container == spec.container else dataclasses.replace(spec, container=container)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -323,3 +323,28 @@ def test_sweep_container_flag_reaches_every_point(tmp_path):
     assert len(runs) == 2 and {r.job.spec.container for r in runs} == {ContainerConfig(runtime="apptainer", image="/i.sif")}
     text = render_script(runs[1].job, "/tmp/runs/p1", python=PY, environ=NO_USER_TEMPLATES)
     assert "apptainer exec --bind /tmp/runs/p1 --env CYCLONE_REQUEUE_BY=stepwatch" in text
+
+
+# ------------------------------------------------------------------ run takes the profile's [container], as submit does
+def test_run_merges_the_profiles_container_under_the_jobs(tmp_path):
+    from cyclone_kit.cli.app import build_parser
+    from cyclone_kit.cli.run import spec_for_run
+
+    site = tmp_path / "site.toml"
+    site.write_text('name = "site"\n[partitions.cpu]\nnodes = 1\ncpus_per_node = 4\nmax_time = "01:00:00"\ndefault = true\n'
+                    '[container]\nruntime = "charliecloud"\nbinds = ["/scratch"]\npython = "python3.11"\n')
+    job = tmp_path / "job.toml"
+    job.write_text(f'name = "j"\n[resources]\nprofile = "{site}"\n')
+
+    def box(*argv):
+        return spec_for_run(build_parser().parse_args(["run", str(job), *argv])).container
+
+    # the profile's runtime, binds and python; the job's image; binds: the profile's, then the job's
+    assert box("--container", "/img", "--set", 'container.binds=["/data"]') == ContainerConfig(
+        runtime="charliecloud", image="/img", binds=("/scratch", "/data"), python="python3.11")
+    # the job's own values win
+    assert box("--container", "/i.sif", "--set", "container.runtime=apptainer", "--set", "container.python=python3.12") \
+        == ContainerConfig(runtime="apptainer", image="/i.sif", binds=("/scratch",), python="python3.12")
+    assert box() is None  # a runtime in the profile alone puts no run in a container
+    site.write_text(site.read_text() + 'image = "/site.img"\n')  # a profile's default image: every run in it
+    assert box() == ContainerConfig(runtime="charliecloud", image="/site.img", binds=("/scratch",), python="python3.11")
