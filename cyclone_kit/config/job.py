@@ -32,7 +32,7 @@ from cyclone_kit.launchers import DEFAULT, selectable_names
 from cyclone_kit.slurm.memory import parse_mem_mb
 from cyclone_kit.slurm.walltime import parse_time
 
-#: Models the runtime can build (cyclone_kit.runtime.models implements every one).
+#: Models the runtime can build (cyclone_kit.runtime.engine.models implements every one).
 MODELS = (
     "tiny_cnn",
     "resnet18",
@@ -95,7 +95,7 @@ class TrainConfig:
     val_every_epochs: int = 1
     val_samples: int = 0
     bucket_cap_mb: int = 25
-    static_graph: bool = True  # DDP's static graph where valid (runtime/train.py use_static_graph)
+    static_graph: bool = True  # DDP's static graph where valid (runtime/engine/dataparallel.py use_static_graph)
     num_workers: int = -1
     pg_timeout_s: int = 600  # PyTorch's NCCL default: rank 0 may write or load a large checkpoint meanwhile
     microbatches: int = 4

@@ -36,7 +36,8 @@ EXCEPTIONS = {
     ("cyclone_kit.backends.submitit_", "cyclone_kit.runtime.__main__"),
 }
 #: Modules of config/ the rank side must not use (validation against a profile, argument handling).
-CONFIG_LOGIN_ONLY = {"cyclone_kit.config.validate", "cyclone_kit.config.jobspec", "cyclone_kit.config.sweep"}
+CONFIG_LOGIN_ONLY = {"cyclone_kit.config.validate", "cyclone_kit.config.jobspec", "cyclone_kit.config.sweep",
+                     "cyclone_kit.config.request"}
 #: Run-directory file names: spelled (as a string in code) only in their owner.
 FILE_NAMES = {"spec.json", "metrics.jsonl", "failure.json", "shim.jsonl", "job.sbatch", "launch.json", "checkpoints",
               "submitted.json", "sweep.json", "network.json"}
