@@ -10,7 +10,8 @@
   the cu128/cu130 wheels) is refused with the wheel index to use (:func:`check_arch`).
 * Backend: NCCL on CUDA, gloo on CPU; timeout from ``train.pg_timeout_s`` so a dead peer makes
   every rank fail instead of hang. :func:`side_group` is a gloo group for small host-side
-  collectives (checkpoint barriers, object gathers) that must not sit in NCCL's watchdog.
+  collectives (checkpoint barriers, object gathers) that must not sit in NCCL's watchdog;
+  :func:`background_group` one for a background thread's collectives (asynchronous sharded checkpoints).
 * Threads: ``SLURM_CPUS_PER_TASK``, else ``OMP_NUM_THREADS``.
 """
 
@@ -286,6 +287,28 @@ def side_group() -> Any:
     checkpoint, object gathers): the world group itself when it is gloo, else the gloo group
     :func:`init_process_group` made. None (the default group) outside a process group."""
     return _SIDE[0] if _SIDE else None
+
+
+_BACKGROUND: list[Any] = []  # [(the world group it was made in, the group)]
+
+
+def background_group() -> Any:
+    """A gloo group over all ranks that only a background thread uses (torch.distributed.checkpoint's
+    ``async_save`` plans and confirms its writes there), so its collectives never interleave with the
+    training's, the stop agreement's or :func:`side_group`'s, which the main thread issues meanwhile.
+
+    Made at the first call in this process group (``new_group`` is a collective: every rank calls it at
+    the same point, e.g. its first asynchronous sharded checkpoint) and reused after. Its timeout is
+    torch's default for gloo (30 min), not ``train.pg_timeout_s``: the coordinator waits in it for the
+    slowest rank's write; a dead peer still fails it at once (its sockets close).
+    """
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if not _BACKGROUND or _BACKGROUND[0][0] is not world:
+        _BACKGROUND.clear()
+        _BACKGROUND.append((world, dist.new_group(backend="gloo")))
+    return _BACKGROUND[0][1]
 
 
 def teardown() -> None:

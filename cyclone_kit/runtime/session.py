@@ -14,7 +14,8 @@ The public API (:mod:`cyclone_kit.api`, for user scripts) and the built-in engin
   same step (:class:`~cyclone_kit.runtime.signals.StopAgreement`);
 * **checkpoints** (:meth:`Session.save`, :meth:`Session.load_latest`): atomic files kept and
   rotated as ``checkpoint.keep`` says; the newest loadable one chosen by rank 0 and loaded by
-  every rank;
+  every rank; FSDP's shards written in the background on every rank (:meth:`Session.save_after_shards`),
+  their ``.pt`` written once all are done (:meth:`Session.finish_shards`: the next checkpoint, the end);
 * **end** (:meth:`Session.end`): the ``end`` record, the rank summary, ``scontrol requeue``
   when the agreed stop was the requeue signal, and (:meth:`Session.close`) the teardown.
 """
@@ -86,6 +87,7 @@ class Session:
     ckpt_writer: Any = None
     ckpt_stats: dict[str, Any] = field(default_factory=dict)
     ckpt_spare: Any = None
+    shards: Any = None  # the asynchronous sharded checkpoint in flight (checkpoint.PendingShards), if any
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -300,6 +302,84 @@ class Session:
             self._count("checkpoint_wait_s", waited.seconds)
         return waited
 
+    def save_after_shards(self, state: dict[str, Any] | None, step: int, future: Any, after_write: Any = None,
+                          staged_s: float = 0.0) -> None:
+        """Register the sharded checkpoint of ``step`` whose shards every rank is now writing in the
+        background (``future``, this rank's write); rank 0 passes the ``.pt``'s ``state`` (the others
+        None), copied here to host memory. Nothing is written now: :meth:`finish_shards` writes the ``.pt``
+        once every rank's shards are done. Call on every rank, after :meth:`finish_shards` (at most one
+        in flight) and after starting the write; ``staged_s``: the seconds that start took (the copy
+        of the shards to host memory), counted as ``checkpoint_snapshot_s``.
+        """
+        from cyclone_kit.runtime import checkpoint as ckpt
+
+        if self.shards is not None:
+            raise RuntimeError(f"the shards of step {self.shards.step} are still in flight: finish_shards() first")
+        t0 = time.perf_counter()
+        copy = ckpt.snapshot(state) if state is not None else None  # written later: later steps must not reach it
+        self._count("checkpoint_snapshot_s", staged_s + time.perf_counter() - t0)
+        self._count("checkpoints_async", 1)
+        self.shards = ckpt.PendingShards(step, future, copy, after_write)
+
+    def finish_shards(self, failed: bool = False, timeout_s: float | None = None,
+                      before: int | None = None) -> Path | None:
+        """Complete the sharded checkpoint in flight, if any: wait for this rank's shards, agree with
+        every rank that all are written (one gather over the gloo side group), then rank 0 writes the
+        ``.pt`` that names them (:meth:`save`: atomic, checksum, the newest ``checkpoint.keep`` kept,
+        the orphaned shard directories pruned). A wait for a write still running is counted like the
+        full-state writer's (``checkpoint_waits``, ``checkpoint_wait_s``).
+
+        Call on every rank at the same point (the next checkpoint, the end of the segment), unless
+        ``failed``: a failing rank only waits for its own write (at most ``timeout_s``), never for its
+        peers (they may be dead), and writes no ``.pt``: the shard directory is never loaded, and is
+        pruned by the next checkpoint written. ``before``: the step of the checkpoint about to start
+        (a wait for a write still running is then said on rank 0's console, as the full-state writer's).
+
+        Returns:
+            The ``.pt``'s path on rank 0 when one was written, else None.
+
+        Raises:
+            ShardWriteFailed: on every rank, when some rank's shards were not written (unless ``failed``).
+        """
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        import torch.distributed as dist
+
+        from cyclone_kit.runtime import checkpoint as ckpt
+
+        pending, self.shards = self.shards, None
+        if pending is None:
+            return None
+        busy = not pending.future.done()
+        t0 = time.perf_counter()
+        error: str | None = None
+        try:
+            pending.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            error = f"still writing after {timeout_s:g} s"
+        except Exception as e:  # any rank's failure fails the checkpoint on every rank, below
+            error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if busy:
+            self._count("checkpoint_waits", 1)
+            self._count("checkpoint_wait_s", time.perf_counter() - t0)
+            if self.env.is_main and before is not None:
+                print(f"cyclone_kit: checkpoint of step {before} waited {time.perf_counter() - t0:.2f} s for the "
+                      f"shards of step {pending.step}", flush=True)
+        if failed:
+            if error is not None:
+                warn(f"the sharded checkpoint of step {pending.step} was not completed ({error}); it is not kept")
+            return None
+        errors: list[Any] = [error]
+        if self.distributed:
+            errors = [None] * self.env.world_size
+            dist.all_gather_object(errors, error, group=side_group())
+        verdict = ckpt.shard_verdict(pending.step, errors)
+        if verdict is not None:
+            raise ckpt.ShardWriteFailed(verdict, hint="the named rank's error says why (a full disk, a quota, a "
+                                        "lost peer); fix that and run the job again: it resumes from the newest "
+                                        "complete checkpoint")
+        return self.save(pending.state, pending.step, after_write=pending.after_write, blocking=True)
+
     def load_latest(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
         """The newest loadable checkpoint of the run, chosen by rank 0 and loaded by every rank
         (so all resume from the same step); None when there is none. Call on every rank.
@@ -373,9 +453,11 @@ class Session:
         if self.ended:
             return
         if status == "failed":  # the failure is what matters: a write that fails too is only warned about
+            self.finish_shards(failed=True, timeout_s=FAILED_WRITE_WAIT_S)  # no .pt: its peers may be dead
             self.finish_checkpoint(raise_error=False, timeout_s=FAILED_WRITE_WAIT_S)
         else:
             with self.not_a_step():
+                self.finish_shards()  # every rank's shards, agreed, then the .pt (a stop's checkpoint too)
                 self.finish_checkpoint()  # the last checkpoint (a stop's too) is complete before the end record
         self.ended = True
         if status != "failed" or not (self.watch and self.watch.stalled):
@@ -428,7 +510,9 @@ class Session:
     def close(self) -> None:
         """Tear down: wait for an outstanding stop reduce, then (when the session created it) a
         barrier and the process group destroyed (a gloo group left alive at exit can abort), and
-        the signal handlers restored. A checkpoint write still in flight is finished first."""
+        the signal handlers restored. A checkpoint write still in flight is finished first (sharded
+        shards not completed by :meth:`end` are only waited for: no ``.pt`` names them)."""
+        self.finish_shards(failed=True, timeout_s=FAILED_WRITE_WAIT_S)
         self.finish_checkpoint(raise_error=False)
         self.settle()
         if self.owns_group:

@@ -10,6 +10,10 @@ The code uses three APIs newer than 2.6 (checked against the released wheels' so
 * FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (torch 2.9): the FSDP engine's
   communication timing; without them its ``comm_time_s`` / ``comm_exposed_s`` are null, with one line.
 
+Asynchronous sharded checkpoints (``checkpoint.sharded`` with ``checkpoint.async_write``) start
+``torch.distributed.checkpoint.async_save`` with a ``process_group`` (:func:`has_dcp_async_save`); a torch
+without it writes the shards with the blocking ``save``, with one line (:func:`dcp_async_line`).
+
 One is not optional: FSDP2 on the CPU (gloo) needs ``torch.cpu.Stream.record_event`` (torch 2.7); under
 torch 2.6 its first all-gather raises AttributeError, so ``train.strategy=fsdp`` on the CPU is refused
 before training (:func:`fsdp_cpu_refusal`). FSDP on GPUs has CUDA streams and is not affected.
@@ -66,6 +70,25 @@ def fsdp_comms_line(version: str) -> str:
     """The one line of an FSDP run whose torch cannot time its collectives."""
     return (f"FSDP communication timing off: torch {version} has no FSDPModule.set_custom_all_gather "
             f"(torch >= {FSDP_CUSTOM_COMMS_SINCE}); comm_time_s and comm_exposed_s are null, training is unaffected")
+
+
+def has_dcp_async_save(dcp: Any) -> bool:
+    """Whether ``dcp`` (``torch.distributed.checkpoint``) has ``async_save`` taking a ``process_group``
+    (the engine passes its own gloo group, so the background planning has a group of its own)."""
+    fn = getattr(dcp, "async_save", None)
+    if not callable(fn):
+        return False
+    try:
+        return "process_group" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: call it, a TypeError would name the mismatch
+        return True
+
+
+def dcp_async_line(version: str) -> str:
+    """The one line of a sharded run with asynchronous writes whose torch has no usable ``async_save``."""
+    return (f"sharded checkpoints are written blocking: torch {version} has no "
+            "torch.distributed.checkpoint.async_save(process_group=...); every rank waits for its shards at "
+            "each checkpoint (checkpoint.async_write still applies to full-state checkpoints)")
 
 
 def fsdp_runs_on_cpu(cpu_stream_cls: Any) -> bool:

@@ -24,6 +24,9 @@ It also makes moments that a test must act in, instead of hoping to land in them
 * while a hold is set, every Python signal handler installed later first appends the signal's
   number to ``HOLD_DIR/signal-rank-R``: a test sees that a rank *received* a signal before it lets
   the rank go on;
+* ``os.fsync`` of a DCP shard file (``__R_K.distcp``), the ``hold_shard``-th one of this process (on rank
+  ``hold_shard_rank`` only, when given), writes ``HOLD_DIR/writing-shard-rank-R`` and waits until
+  ``HOLD_DIR/release`` exists: an asynchronous sharded checkpoint's write surely in flight on that rank;
 * ``os.fsync`` of a checkpoint's temporary file (``.ckpt-N.pt.XXXX.tmp``, see
   :func:`cyclone_kit.rundir.fileio.atomic_file`), the ``hold_write``-th one of this process, writes
   ``HOLD_DIR/writing`` and waits until ``HOLD_DIR/release`` exists: a checkpoint write that is
@@ -50,6 +53,8 @@ STEP_DELAY_S = {step_delay}
 HOLD_DIR = {hold_dir}
 HOLD_STEP = {hold_step}
 HOLD_WRITE = {hold_write}
+HOLD_SHARD = {hold_shard}
+HOLD_SHARD_RANK = {hold_shard_rank}
 
 
 def _slow_allreduce(module):
@@ -168,6 +173,30 @@ def _hold_checkpoint_writes():
     os.fsync = held_fsync
 
 
+def _hold_shard_writes():
+    import os
+    import re
+
+    fsync = os.fsync
+    name = re.compile("^__[0-9]+_[0-9]+[.]distcp$")
+    seen = [0]
+
+    def held_fsync(fd):
+        try:
+            target = os.readlink("/proc/self/fd/%d" % int(fd))
+        except (OSError, TypeError, ValueError):
+            target = ""
+        if name.match(os.path.basename(target)):
+            seen[0] += 1
+            release = os.path.join(HOLD_DIR, "release")
+            if seen[0] == HOLD_SHARD and not os.path.exists(release):
+                _touch(os.path.join(HOLD_DIR, "writing-shard-rank-%d" % _rank()), target + "\\n")
+                _wait_for(release)
+        return fsync(fd)
+
+    os.fsync = held_fsync
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a patch on a module right after it is first executed."""
 
@@ -202,6 +231,8 @@ if HOLD_STEP is not None or HOLD_WRITE is not None:
     _note_signals()
 if HOLD_WRITE is not None:
     _hold_checkpoint_writes()
+if HOLD_SHARD is not None and _fresh_segment() and HOLD_SHARD_RANK in (None, _rank()):
+    _hold_shard_writes()
 if _PATCHES:
     sys.meta_path.insert(0, _AfterImport(_PATCHES))
 '''
@@ -209,6 +240,7 @@ if _PATCHES:
 
 def slow_parts_env(folder: Path, *, allreduce_delay_s: float = 0.0, load_delay_s: float = 0.0,
                    step_delay_s: float = 0.0, hold_step: int | None = None, hold_write: int | None = None,
+                   hold_shard: int | None = None, hold_shard_rank: int | None = None,
                    hold_dir: Path | None = None) -> dict[str, str]:
     """Write the ``sitecustomize.py`` into ``folder``; returns the environment that makes every rank load it.
 
@@ -218,17 +250,22 @@ def slow_parts_env(folder: Path, *, allreduce_delay_s: float = 0.0, load_delay_s
         step_delay_s: a sleep after every optimizer step (0: none).
         hold_step: hold each rank after this optimizer step of a fresh process until ``hold_dir/go``.
         hold_write: hold this process's N-th checkpoint temporary-file fsync until ``hold_dir/release``.
+        hold_shard: hold this process's N-th fsync of a DCP shard file (``__R_K.distcp``, FSDP's sharded
+            checkpoints, in the write's thread) until ``hold_dir/release``; on rank ``hold_shard_rank``
+            only when given; a resumed segment (``SLURM_RESTART_COUNT`` > 0) is never held.
         hold_dir: the folder of the hold files (default ``folder/hold``; created).
     """
     folder.mkdir(parents=True, exist_ok=True)
-    holds = hold_step is not None or hold_write is not None
+    holds = hold_step is not None or hold_write is not None or hold_shard is not None
     hold = Path(hold_dir) if hold_dir is not None else folder / "hold"
     if holds:
         hold.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE.format(
         allreduce=float(allreduce_delay_s), load=float(load_delay_s), step_delay=float(step_delay_s),
         hold_dir=repr(str(hold.resolve())), hold_step=None if hold_step is None else int(hold_step),
-        hold_write=None if hold_write is None else int(hold_write)))
+        hold_write=None if hold_write is None else int(hold_write),
+        hold_shard=None if hold_shard is None else int(hold_shard),
+        hold_shard_rank=None if hold_shard_rank is None else int(hold_shard_rank)))
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path}
 
@@ -250,6 +287,10 @@ class Holds:
     def writing(self) -> bool:
         """Whether a checkpoint write is held (its temporary file complete, not renamed)."""
         return (self.folder / "writing").exists()
+
+    def writing_shard(self, rank: int) -> bool:
+        """Whether ``rank``'s DCP shard write is held (its shard file written, not yet fsync'ed)."""
+        return (self.folder / f"writing-shard-rank-{rank}").exists()
 
     def go(self) -> None:
         """Let the ranks held at their step go on."""

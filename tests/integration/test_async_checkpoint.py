@@ -7,6 +7,12 @@ read from the main thread's stack). The engine's side (a SIGKILL during a backgr
 stop checkpoint complete at exit, the resumed trajectory) is in test_signals.py and test_ddp.py;
 a background write that finds the disk full, in test_checkpoint_faults.py. Three saves in the
 background, one blocking; ``ck.finish()`` returns with the last background write in place.
+
+FSDP's sharded checkpoints written in the background on every rank (``checkpoint.sharded`` with
+``async_write``): a rank SIGKILLed while its shard write is held (:mod:`tests.helpers.slow_parts`:
+the fsync of its shard file waits for a file the test never writes) leaves no checkpoint that loads
+as good, and the run resumes from the one before, on the same trajectory. The uninterrupted run and its
+resume from a copy: test_strategies.py.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import torch
 
 from cyclone_kit.runtime import checkpoint as ckpt
 from tests.helpers.cli import REPO, jsonl_records
+from tests.helpers.ranks import finish, records, run_ranks, start_ranks, write_spec
+from tests.helpers.slow_parts import hold_files, slow_parts_env
+from tests.helpers.slurm_jobs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -138,3 +147,63 @@ def test_a_node_local_first_copy_is_copied_into_the_run_and_verified(tmp_path: P
     state, path = ckpt.load_latest(shared)
     assert path.parent == shared and torch.equal(state["user_state"]["w"], torch.arange(1000.0) + 3)
     assert ckpt.file_sha256(path) == ckpt.file_sha256(ckpt.checkpoint_path(local / run_dir.name, 3))
+
+
+def _segments(run_dir: Path) -> list[dict[int, float]]:
+    """The step losses of each segment of ``run_dir`` (split at its start records), in order."""
+    segments: list[dict[int, float]] = [{}]  # [{}] before the first start record
+    for rec in records(run_dir):
+        if rec["kind"] == "start" and (len(segments) > 1 or segments[0]):
+            segments.append({})
+        elif rec["kind"] == "step":
+            segments[-1][rec["step"]] = rec["loss"]
+    return segments
+
+
+def test_a_rank_killed_during_its_background_shard_write_leaves_no_good_checkpoint(tmp_path: Path) -> None:
+    """FSDP, 2 gloo ranks, sharded checkpoints every 2 steps written in the background. Rank 1's shard
+    write of step 4 is held (the fsync of its shard file), so its ``.pt`` is never written; training goes
+    on to step 5 meanwhile; rank 1 is SIGKILLed there. Rank 0 fails, step 2 (whose ``.pt`` was written when
+    step 4's checkpoint started) is the newest good checkpoint, and the same run directory resumes from it
+    onto the first segment's losses; the orphaned shard directory is pruned."""
+    every, total = 2, 8
+    run = tmp_path / "run"
+    write_spec(run, checkpoint={"sharded": True, "every_steps": every, "keep": 3, "async_write": True},
+               strategy="fsdp", batch_size=32, log_every=1, synthetic_samples=640, steps=total, val_samples=64)
+    holds = hold_files(tmp_path / "hold")
+    procs = start_ranks(run, 2, env=slow_parts_env(tmp_path / "hold", hold_shard=2, hold_shard_rank=1))
+    ckpts = run / "checkpoints"
+    try:
+        wait_for(lambda: holds.writing_shard(1) or any(p.poll() is not None for p in procs), TIMEOUT_S,
+                 "rank 1's shard write of step 4 to be held")
+        assert all(p.poll() is None for p in procs), finish(procs, timeout=5)
+        assert [s for s, _ in ckpt.list_checkpoints(ckpts)] == [every], "step 2's .pt came before step 4's shards"
+        assert (ckpts / "ckpt-000000004.dcp").is_dir()
+        # Asynchronous: both ranks train on while rank 1's write of step 4 is held (step 6's checkpoint waits for it).
+        wait_for(lambda: max(_segments(run)[0], default=0) >= 2 * every + 1, TIMEOUT_S, "training past step 4")
+        assert not ckpt.checkpoint_path(ckpts, 2 * every).exists(), "no .pt while a rank's shards are in flight"
+        procs[1].kill()  # SIGKILL
+        (code0, out0, err0), (code1, _, _) = finish(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    print(f"rank 1 SIGKILLed during its shard write of step 4: rank 0 exit {code0}; "
+          f"checkpoints left: {sorted(p.name for p in ckpts.iterdir())}")
+    assert code1 == -9 and code0 != 0, (code0, out0[-2000:], err0[-3000:])
+    assert [s for s, _ in ckpt.list_checkpoints(ckpts)] == [every]
+    state, path = ckpt.load_latest(ckpts)
+    assert state["step"] == every and state["model"] == {"dcp": "ckpt-000000002.dcp"}, path
+
+    results = run_ranks(run, 2)  # the same run directory, no hold
+    assert f"resumed from {ckpt.checkpoint_path(ckpts, every)} at step {every}" in results[0][1], results[0][1]
+    first, second = _segments(run)
+    assert sorted(second) == list(range(every + 1, total + 1)), "every step after the checkpoint, once"
+    redone = sorted(set(first) & set(second))
+    assert redone and [second[s] for s in redone] == pytest.approx([first[s] for s in redone], rel=1e-5, abs=1e-6)
+    end = records(run, "end")[-1]
+    assert end["status"] == "completed" and end["checkpoints_async"] == 3, end  # steps 4, 6 and the final 8
+    assert sorted(p.name for p in ckpts.iterdir() if p.suffix == ".dcp") == [
+        "ckpt-000000004.dcp", "ckpt-000000006.dcp", "ckpt-000000008.dcp"], "each shard folder has its .pt"
+    assert [s for s, _ in ckpt.list_checkpoints(ckpts)] == [8, 6, 4]

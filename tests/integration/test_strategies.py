@@ -99,7 +99,9 @@ def test_fsdp_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str,
 
 def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
     """checkpoint.sharded=true: every rank writes its shards with torch.distributed.checkpoint into
-    ckpt-N.dcp/ (keep=2 prunes old ones); training is unchanged and a copy of step 10 resumes exactly."""
+    ckpt-N.dcp/ (keep=2 prunes old ones), in the background (checkpoint.async_write, the default: async_save,
+    each .pt written once every rank's shards are done); training is unchanged and a copy of step 10
+    resumes exactly."""
     import json
 
     run = tmp_path / "fsdp-dcp"
@@ -117,6 +119,13 @@ def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[st
     assert len(list((folder / "ckpt-000000012.dcp").glob("*.distcp"))) == 2  # one shard file per rank
     state = ck.load_checkpoint(folder / "ckpt-000000012.pt")
     assert state["optimizer_format"] == "dcp" and state["model"] == {"dcp": "ckpt-000000012.dcp"}
+    end = records(run, "end")[-1]  # steps 5 and 10 in the background, and the final 12 (waited for at the end)
+    assert end["checkpoints_async"] == 3 and end["checkpoint_snapshot_s"] > 0 and "checkpoint_wait_s" in end, end
+    times = {r["step"]: r["step_time_s"] for r in records(run, "step")}
+    print(f"fsdp sharded async checkpoints at 5, 10, 12: steps 6 / 11 (their windows hold the checkpoint) "
+          f"{1e3 * times[6]:.1f} / {1e3 * times[11]:.1f} ms, median step {1e3 * sorted(times.values())[6]:.1f} ms; "
+          f"snapshot {end['checkpoint_snapshot_s']:.3f} s, {end['checkpoint_waits']} wait(s) "
+          f"{end['checkpoint_wait_s']:.3f} s")
 
     again = tmp_path / "fsdp-dcp-resume"
     (again / "checkpoints").mkdir(parents=True)

@@ -20,7 +20,9 @@ optimizer steps cannot change what is written), and a :class:`BackgroundWriter` 
 write is in flight: the next one waits for it (:meth:`BackgroundWriter.wait`), and a write that
 failed raises its error there, or at the end of the segment, as the synchronous write would have.
 :func:`copy_checkpoint` copies a node-local first copy into the run directory under the same rules,
-its bytes verified against the first copy's checksum.
+its bytes verified against the first copy's checksum. FSDP's sharded checkpoints are asynchronous on
+every rank (:class:`PendingShards`): the small ``.pt`` that names the shards is written only once every
+rank's shards are in place, so a ``.pt`` file is always a complete checkpoint.
 
 The package is the rank side's one place for checkpoints: this module (the file format, the atomic
 write, the checksum, the newest-good rule, :func:`load_states`: a state into a model and optimizer,
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-from cyclone_kit.core.errors import DiskFullError, ValidationError
+from cyclone_kit.core.errors import CycloneError, DiskFullError, ValidationError
 from cyclone_kit.rundir.fileio import atomic_file, disk_full_message, free_bytes, is_disk_full, write_atomic
 
 FORMAT = 1
@@ -318,6 +320,42 @@ class BackgroundWriter:
         if error is not None:
             sys.stderr.write(f"cyclone_kit: warning: the checkpoint of step {self.step} was not written: {error}\n")
         return waited
+
+
+class ShardWriteFailed(CycloneError):
+    """The shards of an asynchronous sharded checkpoint were not all written: no ``.pt`` names them."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class PendingShards:
+    """A sharded checkpoint whose shards every rank is writing in the background (FSDP's
+    ``checkpoint.sharded`` with ``checkpoint.async_write``): the ``.pt`` that names them is written
+    by rank 0 only once every rank's write is done (``Session.finish_shards``).
+
+    Attributes:
+        step: the checkpoint's step.
+        future: this rank's write (``concurrent.futures.Future``: ``done``, ``result``).
+        state: rank 0's ``.pt`` state (a host copy); None on the other ranks.
+        after_write: run by rank 0 after the ``.pt`` is in place (the shard directories' prune).
+    """
+
+    step: int
+    future: Any
+    state: dict[str, Any] | None
+    after_write: Callable[[Path], Any] | None = None
+
+
+def shard_verdict(step: int, errors: list[str | None]) -> str | None:
+    """Why the ``.pt`` of sharded checkpoint ``step`` must not be written, or None when it may (pure):
+    ``errors`` holds every rank's failure in rank order (None: its shards are written)."""
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if not failed:
+        return None
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    return (f"the shards of checkpoint step {step} were not written on rank(s) {ranks} "
+            f"(rank {failed[0][0]}: {failed[0][1]}); that checkpoint is not kept")
 
 
 def file_sha256(path: Path) -> str:

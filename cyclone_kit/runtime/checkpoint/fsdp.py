@@ -8,6 +8,12 @@ every shard is in place, and names the shard directory; so a ``.pt`` file that e
 complete checkpoint, and the engine's newest-loadable-checkpoint logic and ``keep`` apply
 unchanged. Shard directories without their ``.pt`` are removed by :func:`prune`.
 
+With ``checkpoint.async_write`` (the default) every rank writes its shards in the background
+(:func:`start_sharded`: ``async_save``, the copy to host memory at the step, the write in a thread);
+the ``.pt`` is written when the next checkpoint starts, at the end of the segment or before a
+stop/requeue, once every rank's write is done and the ranks agreed on it (``Session.finish_shards``).
+A torch without ``async_save`` writes them blocking (:func:`save_sharded`), with one line.
+
 Resuming needs the same number of ranks only for the RNG streams: DCP reshards the tensors.
 """
 
@@ -30,24 +36,58 @@ def shard_dir_name(step: int) -> str:
     return f"ckpt-{step:09d}.dcp"
 
 
-def save_sharded(folder: Path, step: int, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Write this rank's shards (a collective: every rank calls it); returns the entries for the
-    ``.pt`` state (``model`` names the directory, ``optimizer_format`` is :data:`FORMAT`)."""
+def _fresh_target(folder: Path, step: int) -> Path:
+    """The shard directory of ``step``, empty on every rank's return (rank 0 removes one left by a run
+    killed between its shards and its ``.pt``; the others wait for it on the gloo side group)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    folder = Path(folder)
-    name = shard_dir_name(step)
-    target = folder / name
+    target = Path(folder) / shard_dir_name(step)
     if dist.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():  # left by a run killed between the shards and the .pt file
             shutil.rmtree(target)
     dist.barrier(group=side_group())  # rank 0 may take long to remove a stale folder: wait on gloo
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(target))
-    return {"model": {"dcp": name}, "optimizer": None, "optimizer_format": FORMAT}
+    return target
+
+
+def _states(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def _entries(step: int) -> dict[str, Any]:
+    return {"model": {"dcp": shard_dir_name(step)}, "optimizer": None, "optimizer_format": FORMAT}
+
+
+def save_sharded(folder: Path, step: int, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Write this rank's shards (a collective: every rank calls it); returns the entries for the
+    ``.pt`` state (``model`` names the directory, ``optimizer_format`` is :data:`FORMAT`)."""
+    import torch.distributed.checkpoint as dcp
+
+    target = _fresh_target(folder, step)
+    dcp.save(_states(model, optimizer), checkpoint_id=str(target))
+    return _entries(step)
+
+
+def start_sharded(folder: Path, step: int, model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], Any]:
+    """Start writing this rank's shards in the background (a collective: every rank calls it, at the
+    same step); returns the ``.pt`` entries (as :func:`save_sharded`) and the write's future.
+
+    ``torch.distributed.checkpoint.async_save`` copies the shards to host memory here (later optimizer
+    steps cannot reach the files), then plans and writes them in a thread of its own, whose collectives
+    go over :func:`~cyclone_kit.runtime.dist.background_group`. The shard directory holds no ``.pt``
+    until every rank's future is done (``Session.finish_shards``): until then it is no checkpoint, and
+    :func:`prune` removes it if the run dies first. Call only with no other write in flight.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from cyclone_kit.runtime.dist import background_group
+
+    target = _fresh_target(folder, step)
+    group = background_group()  # a collective the first time: every rank is here, at this step
+    future = dcp.async_save(_states(model, optimizer), checkpoint_id=str(target), process_group=group)
+    return _entries(step), future
 
 
 def is_sharded(state: dict[str, Any]) -> bool:

@@ -465,6 +465,7 @@ class _Loop(SegmentLoop):
         self.criterion = nn.CrossEntropyLoss()
         self.sharded = strategy.sharded and session.distributed
         self.no_sync = strategy.no_sync(wrapped) if session.distributed else None
+        self.async_shards = self.sharded and self.cc.sharded and self.cc.async_write and _async_shards(self.env)
         self.energy = power.start_meter(dev)  # NVML, GPU runs with nvidia-ml-py only; None otherwise
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
@@ -576,10 +577,20 @@ class _Loop(SegmentLoop):
         model_state: Any = None
         optim_state: Any = None
         optim_format = "torch"
+        shards: Any = None  # this rank's background shard write (asynchronous sharded checkpoints)
+        staged_s = 0.0
         if self.sharded and self.cc.sharded:  # every rank writes its own shards (runtime/checkpoint/fsdp.py)
             from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
 
-            entries = fsdp_ckpt.save_sharded(RunDir(self.run_dir).checkpoints, step, self.model, self.optimizer)
+            folder = RunDir(self.run_dir).checkpoints
+            if self.async_shards:
+                # The previous shards' .pt first: at most one write in flight, and its prune never meets these.
+                self.session.finish_shards(before=step)
+                t0 = time.perf_counter()
+                entries, shards = fsdp_ckpt.start_sharded(folder, step, self.model, self.optimizer)
+                staged_s = time.perf_counter() - t0
+            else:
+                entries = fsdp_ckpt.save_sharded(folder, step, self.model, self.optimizer)
             model_state, optim_state, optim_format = entries["model"], None, fsdp_ckpt.FORMAT
         elif self.sharded:  # a collective: every rank takes part, rank 0 keeps the full tensors
             from torch.distributed.checkpoint.state_dict import (
@@ -609,6 +620,9 @@ class _Loop(SegmentLoop):
             from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
 
             prune = fsdp_ckpt.prune
+        if shards is not None:  # the .pt once every rank's shards are written (session.finish_shards)
+            self.session.save_after_shards(state, step, shards, after_write=prune, staged_s=staged_s)
+            return
         # Rank 0 writes it atomically (the newest checkpoint.keep kept); the others wait on the gloo side group.
         self.session.save(state, step, after_write=prune)
 
@@ -666,6 +680,20 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
         warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
              "RNG streams are reseeded, the rest resumes exactly")
     return int(state["step"])
+
+
+def _async_shards(env: DistEnv) -> bool:
+    """Whether this torch writes sharded checkpoints in the background (``async_save``); if not, one line
+    (rank 0) says they are written blocking."""
+    import torch.distributed.checkpoint as dcp
+
+    from cyclone_kit.runtime.torchcompat import dcp_async_line, has_dcp_async_save
+
+    if has_dcp_async_save(dcp):
+        return True
+    if env.is_main:
+        warn(dcp_async_line(torch.__version__))
+    return False
 
 
 def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
