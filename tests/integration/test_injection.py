@@ -39,10 +39,10 @@ printf '%s\\n' "$@" > "$STUB_OUT/srun.args"
 env > "$STUB_OUT/srun.env"
 """
 #: The job's interpreter at a hostile path: the batch script runs the step watcher with it
-#: (``PYTHON -m cyclone_kit.runtime.stepwatch --run-dir DIR -- srun ...``); the stub runs what follows ``--``
+#: (``PYTHON -m cyclone_kit.runtime.watchers.jobstep --run-dir DIR -- srun ...``); the stub runs what follows ``--``
 #: and fails any other call (the port probe then falls back to its shell arithmetic, as without Python).
 STUB_PYTHON = """#!/bin/bash
-[ "$2" = cyclone_kit.runtime.stepwatch ] || exit 127
+[ "$2" = cyclone_kit.runtime.watchers.jobstep ] || exit 127
 printf '%s\\n' "$@" > "$STUB_OUT/python.args"
 while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do shift; done
 shift
@@ -104,7 +104,7 @@ def test_payload_is_quoted_not_run(template, tmp_path, stubs):
     assert args[-1] == str(run_dir) and args[-2] == "--run-dir"
     assert str(python) in args
     watcher = (out / "python.args").read_text().splitlines()
-    assert watcher[:4] == ["-m", "cyclone_kit.runtime.stepwatch", "--run-dir", str(run_dir)], watcher
+    assert watcher[:4] == ["-m", "cyclone_kit.runtime.watchers.jobstep", "--run-dir", str(run_dir)], watcher
     env_lines = (out / "srun.env").read_text()
     assert f"HOSTILE={payload}" in env_lines and f"CYCLONE_RUN_DIR={run_dir}" in env_lines
     assert "MASTER_ADDR=node01" in env_lines and "MASTER_PORT=19242" in env_lines
