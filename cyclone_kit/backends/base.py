@@ -6,14 +6,17 @@ has written its files (:meth:`Backend.schedule`). Callers that come back later (
 ``cancel``, ``logs``) rebuild the :class:`JobHandle` from what the run directory recorded
 (:func:`handle_of`) and dispatch on the backend named there, never on a hard-coded name.
 Dependencies are an argument (``after``: job ids this one waits for, ``afterany``), never text
-spliced into a rendered script.
+spliced into a rendered script. A backend says itself whether its jobs run here, in the foreground
+(:attr:`Backend.foreground`), and how it runs a study's points (:meth:`Backend.for_study`,
+:meth:`Backend.run_here`): a study never asks for a backend's name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
 
 from cyclone_kit.rundir.layout import RunDir
 
@@ -52,6 +55,25 @@ class JobHandle(str):
         return f"JobHandle({self.job_id!r}, backend={self.backend!r})"
 
 
+@dataclass(frozen=True)
+class Finished:
+    """How a job that ran here, in the foreground, ended (:meth:`Backend.run_here`).
+
+    Attributes:
+        job_id: its job id ('' when it never started).
+        ok: every rank completed.
+        wall_time_s: seconds it ran.
+        interrupted: it was stopped by Ctrl-C (or SIGTERM) and its ranks were stopped with it.
+        report: what went wrong, root cause first, for the user ('' when ``ok`` or ``interrupted``).
+    """
+
+    job_id: str
+    ok: bool
+    wall_time_s: float
+    interrupted: bool = False
+    report: str = ""
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Plan a job and run that plan, ask its state, cancel it, find its logs."""
@@ -60,6 +82,28 @@ class Backend(Protocol):
     #: Whether its plan holds the batch script the templates render (``job.sbatch``, passed to
     #: :meth:`plan` as ``script``); submitit writes its own, the local launcher runs none.
     batch_script: bool
+
+    @property
+    def foreground(self) -> bool:
+        """Whether its jobs run here, in the foreground: :meth:`schedule` returns once the job has ended
+        (the local launcher; submitit's local executor). A study runs such points one after another with
+        :meth:`run_here`, then its report here; the others' points are queued together."""
+        ...
+
+    def for_study(self) -> Backend:
+        """This backend as it runs the points of a study (itself, or a copy with the settings a study's
+        points share, e.g. the local launcher's threads per rank: each point's CPUs per task)."""
+        ...
+
+    def run_here(self, plan: SubmissionPlan, *, echo: IO[str] | None = None) -> Finished:
+        """Run ``plan`` (its files written) here until it ends and record it in its run directory; a failed
+        or interrupted run is said in the result, not raised. ``echo``: where rank 0's output goes (None:
+        nowhere), where the backend shows it.
+
+        Raises:
+            ValidationError: the backend does not run jobs here (:attr:`foreground` is false).
+        """
+        ...
 
     def plan(self, job: ResolvedJob, run_dir: Path, *, script: str | None = None,
              after: Sequence[str] = ()) -> SubmissionPlan:

@@ -12,6 +12,7 @@ builds for it (:func:`local_job`) and the status of a finished foreground run
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from cyclone_kit.backends.base import JobHandle
+from cyclone_kit.backends.base import Finished, JobHandle
 from cyclone_kit.backends.base import log_files as run_log_files
 from cyclone_kit.backends.local_env import (
     available_cores,
@@ -100,18 +101,29 @@ class LocalBackend:
 
     name = "local"
     batch_script = False
+    foreground = True  # the ranks run here; schedule returns when they have ended
 
     def __init__(self, *, echo: IO[str] | None = None, quiet: bool = False, grace_s: float = GRACE_S,
                  threads: int | None = None, timeout_s: float | None = None,
-                 extra_env: Mapping[str, str] | None = None) -> None:
+                 extra_env: Mapping[str, str] | None = None, fit_threads: bool = False) -> None:
         """``echo``: where rank 0's output goes (default stdout; ``quiet``: nowhere);
-        ``threads``: torch threads per rank (default: this machine's cores shared evenly);
-        ``timeout_s``: stop every rank after so long; ``extra_env``: variables for every rank."""
+        ``threads``: torch threads per rank (default: this machine's cores shared evenly; ``fit_threads``:
+        at most the job's CPUs per task, as a study's points get); ``timeout_s``: stop every rank after so
+        long; ``extra_env``: variables for every rank."""
         self.echo: IO[str] | None = None if quiet else sys.stdout if echo is None else echo
         self.grace_s = grace_s
         self.threads = threads
         self.timeout_s = timeout_s
         self.extra_env = dict(extra_env or {})
+        self.fit_threads = fit_threads
+
+    def for_study(self) -> LocalBackend:
+        """This backend for a study's points: each point's ranks get its CPUs per task as threads, at most this
+        machine's cores shared among its ranks (so that the points of a scaling study compare)."""
+        backend = copy.copy(self)
+        backend.extra_env = dict(self.extra_env)
+        backend.fit_threads = True
+        return backend
 
     def plan(self, job: ResolvedJob, run_dir: Path, *, script: str | None = None,
              after: Sequence[str] = (), rerun: bool = False) -> SubmissionPlan:
@@ -134,7 +146,8 @@ class LocalBackend:
         return SubmissionPlan(self.name, run_dir, job, files, launch_plan.text(), (launch_plan.command,),
                               cwd=Path(launch_plan.cwd), parameters={"threads_per_rank": threads},
                               environment=self.rank_env(job, os.environ),
-                              text_at=f"{LAUNCH_FILE} (written at launch, with the job id and port)")
+                              text_at=f"{LAUNCH_FILE} (written at launch, with the job id and port)",
+                              summary=f"{job.world_size} rank(s), {threads} thread(s) each")
 
     def launch_plan(self, job: ResolvedJob, run_dir: Path | str, *, job_id: str = AT_LAUNCH_JOB_ID,
                     master_port: int | str = AT_LAUNCH_PORT, environ: Mapping[str, str] | None = None) -> LocalPlan:
@@ -161,8 +174,12 @@ class LocalBackend:
         return {**(container_environment(box, environ, getpass.getuser()) if box is not None else {}), **self.extra_env}
 
     def threads_for(self, job: ResolvedJob) -> int:
-        """Torch threads per rank of ``job``: the backend's, else this machine's cores shared evenly."""
-        return self.threads or threads_per_rank(job.world_size, available_cores())
+        """Torch threads per rank of ``job``: the backend's, else this machine's cores shared evenly (with
+        ``fit_threads``: at most the job's CPUs per task)."""
+        if self.threads:
+            return self.threads
+        shared = threads_per_rank(job.world_size, available_cores())
+        return max(1, min(job.cpus_per_task, shared)) if self.fit_threads else shared
 
     def launch(self, plan: SubmissionPlan) -> LaunchResult:
         """Run ``plan`` (its files written) until every rank has ended: its command in its folder with its
@@ -172,6 +189,16 @@ class LocalBackend:
         return launch(plan.run_dir, job.world_size, job.nodes, threads=int(plan.parameters["threads_per_rank"]),
                       job_name=job.spec.name, echo=self.echo, grace_s=self.grace_s, command=plan.commands[0],
                       cwd=plan.cwd, timeout_s=self.timeout_s, extra_env=plan.environment)
+
+    def run_here(self, plan: SubmissionPlan, *, echo: IO[str] | None = None) -> Finished:
+        """Run ``plan`` until every rank has ended (rank 0's output to ``echo``), record it; how it went
+        (a failure's report names the root cause first; Ctrl-C stops the ranks and says ``interrupted``)."""
+        echoing = copy.copy(self)
+        echoing.echo = echo
+        result = echoing.launch(plan)
+        self.record(plan.run_dir, result)
+        report = "" if result.ok or result.interrupted else format_failure(result)
+        return Finished(result.job_id, result.ok, result.wall_time_s, result.interrupted, report)
 
     def record(self, run_dir: Path, result: LaunchResult) -> None:
         """Record the launch's job id and this backend in ``run_dir`` (a full disk: a warning line)."""

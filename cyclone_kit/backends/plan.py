@@ -46,6 +46,8 @@ class SubmissionPlan:
         after: job ids this job waits for (``afterany``).
         text_at: where :meth:`text` ends up, relative to the run directory, and who writes it there
             (``job.sbatch``; ``submitit/<job id>_submission.sh (written by submitit)``; the launch record).
+        summary: how the job runs, in a few words (a study's progress line for a point run here:
+            ``2 rank(s), 4 thread(s) each``).
     """
 
     backend: str
@@ -59,6 +61,7 @@ class SubmissionPlan:
     environment: Mapping[str, str] = field(default_factory=dict)
     after: tuple[str, ...] = ()
     text_at: str = ""
+    summary: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
-from cyclone_kit.backends.base import JobHandle, log_files
+from cyclone_kit.backends.base import Finished, JobHandle, log_files
 from cyclone_kit.backends.plan import SubmissionPlan, run_dir_files
 from cyclone_kit.core.errors import SlurmError, ValidationError
 from cyclone_kit.core.proc import CompletedCommand, run_command
@@ -70,9 +70,22 @@ class SlurmBackend:
 
     name = "slurm"
     batch_script = True
+    foreground = False  # its jobs wait in Slurm's queue
 
     def __init__(self, *, timeout: float = 30) -> None:
         self.timeout = timeout
+
+    def for_study(self) -> SlurmBackend:
+        """A study's points are submitted as any job is: this backend."""
+        return self
+
+    def run_here(self, plan: SubmissionPlan, *, echo: IO[str] | None = None) -> Finished:
+        """A Slurm job runs in the queue, not here.
+
+        Raises:
+            ValidationError: always (use :meth:`schedule`).
+        """
+        raise ValidationError("a Slurm job runs in Slurm's queue, not in the foreground", hint="schedule it (submit)")
 
     def _run(self, argv: Sequence[str], cwd: Path | None = None) -> CompletedCommand:
         """Run a Slurm command without raising on a non-zero exit."""

@@ -38,14 +38,15 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from cyclone_kit.backends.base import JobHandle, log_files
+from cyclone_kit.backends.base import Finished, JobHandle, log_files
 from cyclone_kit.backends.plan import SubmissionPlan, run_dir_files
 from cyclone_kit.backends.slurm import SlurmBackend
-from cyclone_kit.core.errors import RankFailure, SlurmError, ValidationError
+from cyclone_kit.core.errors import CycloneError, RankFailure, SlurmError, ValidationError
 from cyclone_kit.core.malloc import GLIBC_TUNABLES
 from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN
 from cyclone_kit.rundir.layout import SUBMITIT_DIR, RunDir
@@ -282,6 +283,43 @@ class SubmititBackend:
             return forced
         return "slurm" if shutil.which("sbatch") else "local"
 
+    @property
+    def foreground(self) -> bool:
+        """The local executor runs the job here and returns when it has ended; Slurm's queues it."""
+        return self.chosen_executor() == "local"
+
+    def for_study(self) -> SubmititBackend:
+        """A study's points run as any job does: this backend."""
+        return self
+
+    def run_here(self, plan: SubmissionPlan, *, echo: IO[str] | None = None) -> Finished:
+        """Run ``plan`` on the local executor until it ends (:meth:`schedule`), record it; how it went (a
+        failure: submitit's error; Ctrl-C cancels the job and says ``interrupted``). Its ranks' output
+        goes to submitit's task logs, not to ``echo``.
+
+        Raises:
+            ValidationError: the plan is for Slurm's executor (it runs in the queue).
+        """
+        if plan.parameters.get("executor") != "local":
+            raise ValidationError("a job on submitit's Slurm executor runs in Slurm's queue, not in the foreground",
+                                  hint="schedule it (submit), or set CYCLONE_SUBMITIT_EXECUTOR=local")
+        rd = RunDir(plan.run_dir)
+        start = time.monotonic()
+        ok, interrupted, report = False, False, ""
+        try:
+            job_id = self.schedule(plan).job_id
+            ok = True
+        except CycloneError as e:
+            job_id = rd.submitit_job_id() or ""
+            report = f"error: {e}"
+        except KeyboardInterrupt:  # _run_local cancelled the job
+            job_id = rd.submitit_job_id() or ""
+            interrupted = True
+        rd.write_backend(self.name)
+        if job_id:
+            rd.write_job_id(job_id)
+        return Finished(job_id, ok, time.monotonic() - start, interrupted, report)
+
     def plan(self, job: ResolvedJob, run_dir: Path, *, script: str | None = None, after: Sequence[str] = (),
              dependency: str | None = None) -> SubmissionPlan:
         """``job``'s plan in ``run_dir`` (pure): ``spec.json`` and a user script's copy; the executor (see
@@ -325,7 +363,8 @@ class SubmititBackend:
         return SubmissionPlan(self.name, run_dir, job, run_dir_files(job), text, (tuple(shlex.split(command)),),
                               parameters={"executor": executor, **params}, environment=env, after=tuple(after),
                               text_at=f"{SUBMITIT_DIR}/<job id>_submission.sh (written by submitit)" if executor == "slurm"
-                              else f"{SUBMITIT_DIR}/ (submitit's local executor writes no batch script)")
+                              else f"{SUBMITIT_DIR}/ (submitit's local executor writes no batch script)",
+                              summary=f"{job.world_size} rank(s) via submitit ({executor} executor)")
 
     def schedule(self, plan: SubmissionPlan) -> JobHandle:
         """Hand the plan's keywords and :func:`train` to its executor (the plan's files written); returns the

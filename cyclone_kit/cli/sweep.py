@@ -104,20 +104,18 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(lib.plan_text(sweep, runs, args.backend, runs_dir))
         return 0
-    if args.backend != "local" and profile.account_required and not runs[0].job.account:
+    if not lib.study_backend(args.backend).foreground and profile.account_required and not runs[0].job.account:
         raise ValidationError(f"profile {profile.name!r} requires a Slurm account",
                               hint="pass --account=<project> (e.g. p163) or set account in your profile")
     study = lib.create_study(sweep, runs, args.backend, runs_dir, profile)
     print(f"study dir: {study.path}")
     print(lib.plan_table(sweep, runs), end="")
-    if args.backend == "local":
-        outcome = lib.run_local(runs, study, echo=None if args.quiet else sys.stdout, out=sys.stdout, err=sys.stderr)
-        if outcome.interrupted:
-            return 130
-        return _finish_foreground(sweep, runs, outcome, "local")
-    outcome = lib.submit_study(sweep, runs, study, args.backend, out=sys.stdout, err=sys.stderr)
-    if outcome.foreground:  # submitit's local executor ran the points here
-        return _finish_foreground(sweep, runs, outcome, args.backend, summary=False)
+    outcome = lib.submit_study(sweep, runs, study, args.backend, echo=None if args.quiet else sys.stdout,
+                               out=sys.stdout, err=sys.stderr)
+    if outcome.interrupted:
+        return 130
+    if outcome.foreground:  # the backend ran the points here (local launcher, submitit's local executor)
+        return _finish_foreground(sweep, runs, outcome, args.backend)
     if args.wait:
         states = lib.wait_study(outcome)
         print("final states: " + ", ".join(f"{k}={v}" for k, v in states.items()))
@@ -126,20 +124,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finish_foreground(sweep: Any, runs: Any, outcome: Any, backend: str, *, summary: bool = True) -> int:
+def _finish_foreground(sweep: Any, runs: Any, outcome: Any, backend: str) -> int:
     """After points ran here: the report (in this process), then the exit code."""
     from cyclone_kit.submit import study as lib
 
     code = 0
     if sweep.report:
         code = _report_here(outcome.study.path, outcome.study.report)
-        if backend == "local":
-            lib.write_submitted(outcome.study, backend, outcome.entries, {"output": outcome.study.report.name,
-                                                                           "exit_code": code})
+        lib.write_submitted(outcome.study, backend, outcome.entries, {"output": outcome.study.report.name,
+                                                                       "exit_code": code})
     if outcome.failed:
-        if summary:
-            sys.stderr.write(f"error: {outcome.failed} of {len(runs)} run(s) failed (listed as incomplete in the "
-                             f"report). HINT: see failure.json in their run directories under {outcome.study.path}\n")
+        sys.stderr.write(f"error: {outcome.failed} of {len(runs)} run(s) failed (listed as incomplete in the "
+                         f"report). HINT: see failure.json in their run directories under {outcome.study.path}\n")
         return 1
     return code
 

@@ -8,6 +8,7 @@ can call them the same way::
     runs = plan(sweep)                                  # one validated job per point and repeat
     study = create_study(sweep, runs, "slurm", "runs")  # all or nothing
     outcome = submit_study(sweep, runs, study, "slurm") # every point, then the report job
+                                                        # (a foreground backend: every point here, in turn)
 
 The study directory (:class:`cyclone_kit.rundir.layout.StudyDir`) holds ``sweep.json`` (the record the
 analysis reads), one run directory per point and, once submitted, ``submitted.json``.
@@ -27,8 +28,6 @@ from cyclone_kit.backends import get_backend
 from cyclone_kit.backends.base import Backend
 from cyclone_kit.config.profile import ClusterProfile, load_profile
 from cyclone_kit.config.sweep import SweepRun, SweepSpec, expand, sweep_record
-from cyclone_kit.config.validate import ResolvedJob
-from cyclone_kit.core.errors import CycloneError, ValidationError
 from cyclone_kit.rundir.fileio import write_atomic
 from cyclone_kit.rundir.layout import StudyDir, create_run_dir, remove_run_dir, run_dir_name
 from cyclone_kit.submit.render import render_report_script as report_script
@@ -75,40 +74,30 @@ def plan_table(sweep: SweepSpec, runs: Sequence[SweepRun]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def point_backend(backend: str, job: ResolvedJob) -> Backend:
-    """The backend a point of a study runs on: the one named, the local launcher with the point's threads
-    (its CPUs per task, at most this machine's cores shared among its ranks)."""
-    if backend != "local":
-        return get_backend(backend)
-    from cyclone_kit.backends.local import LocalBackend
-
-    return LocalBackend(threads=local_threads(job))
-
-
-def local_threads(job: ResolvedJob) -> int:
-    """Torch threads per rank of a study's point on the local launcher: its CPUs per task, at most this
-    machine's cores shared among its ranks."""
-    from cyclone_kit.backends.local_env import available_cores
-
-    return max(1, min(job.cpus_per_task, available_cores() // job.world_size))
+def study_backend(backend: str) -> Backend:
+    """The backend registered as ``backend``, as it runs a study's points (:meth:`Backend.for_study`: the local
+    launcher gives each point's ranks its CPUs per task as threads, at most this machine's cores shared)."""
+    return get_backend(backend).for_study()
 
 
 def plan_text(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_dir: Path) -> str:
-    """The dry run: the plan, then every point's submission plan as its backend would schedule it (pure)."""
+    """The dry run: the plan, then every point's submission plan as its backend would schedule it, then the
+    report job (or, for a backend that runs the points here, that the report runs here after them) (pure)."""
+    chosen = study_backend(backend)
     study = StudyDir(Path(runs_dir) / run_dir_name(sweep.name))
     parts = [f"# study dir (would be): {study.path}\n# backend: {backend}\n", plan_table(sweep, runs)]
-    if backend == "local":
-        parts.append("# local: the runs execute one after another on this machine, then the report\n")
-        return "".join(parts)
+    if chosen.foreground:
+        parts.append(f"# {backend}: the runs execute one after another on this machine"
+                     f"{', then the report' if sweep.report else ''}\n")
     seen = set()
     for r in runs:
         if r.name in seen:
             continue
         seen.add(r.name)
-        point = plan_submission(r.job, study.run(r.name).path, point_backend(backend, r.job))
+        point = plan_submission(r.job, study.run(r.name).path, chosen)
         parts.append(f"\n# ---- {r.name}/{point.text_at} ----\n")
         parts.append(point.text())
-    if sweep.report:
+    if sweep.report and not chosen.foreground:
         parts.append(f"\n# ---- {study.report_script.name} (submitted with #SBATCH --dependency=afterany:"
                      "<every point's job id>) ----\n")
         parts.append(report_script(study.path, runs[0].job, [], name=f"{sweep.name}-report"))
@@ -124,16 +113,17 @@ def create_study(sweep: SweepSpec, runs: Sequence[SweepRun], backend: str, runs_
     Raises:
         ValidationError: a value cannot be planned (rendered), or ``runs_dir`` is not writable.
     """
+    chosen = study_backend(backend)
     runs_dir = Path(runs_dir).absolute()
     placeholder = runs_dir / run_dir_name(sweep.name)
     for r in runs:  # a value that cannot be planned fails before anything exists
-        plan_submission(r.job, placeholder / r.name, point_backend(backend, r.job))
+        plan_submission(r.job, placeholder / r.name, chosen)
     study = StudyDir(create_run_dir(runs_dir, sweep.name, {}))
     try:
         for r in runs:
             rd = study.run(r.name)
             rd.logs.mkdir(parents=True)
-            write_plan(plan_submission(r.job, rd.path, point_backend(backend, r.job)))
+            write_plan(plan_submission(r.job, rd.path, chosen))
         record = sweep_record(sweep, runs, profile or runs[0].job.profile, backend)
         write_atomic(study.sweep, json.dumps(record, indent=2) + "\n")
     except BaseException:
@@ -149,84 +139,56 @@ def write_submitted(study: StudyDir, backend: str, entries: Sequence[dict[str, A
     write_atomic(study.submitted, json.dumps(doc, indent=2) + "\n")
 
 
-def run_local(runs: Sequence[SweepRun], study: StudyDir, *, echo: IO[str] | None = None,
-              out: IO[str] | None = None, err: IO[str] | None = None) -> StudyOutcome:
-    """Run every point here with the local launcher, one after another (``submitted.json`` kept current).
+def run_here(runs: Sequence[SweepRun], study: StudyDir, backend: Backend, *, echo: IO[str] | None = None,
+             out: IO[str] | None = None, err: IO[str] | None = None) -> StudyOutcome:
+    """Run every point here, one after another, on a backend that runs its jobs in the foreground
+    (:attr:`Backend.foreground`; ``submitted.json`` kept current). Ctrl-C stops the point that runs and the
+    study (``interrupted``); a failed point is reported and the next one runs.
 
     Args:
-        echo: receives rank 0's output of each run (None: silent).
+        backend: as :func:`study_backend` gives it (the one :func:`create_study` planned the points with).
+        echo: receives rank 0's output of each run, where the backend shows it (None: silent).
         out, err: progress lines and failure reports (default: nowhere).
     """
-    from cyclone_kit.backends.local import LocalBackend
-    from cyclone_kit.backends.srun_emulator import format_failure
-
     out, err = out or io.StringIO(), err or io.StringIO()
     outcome = StudyOutcome(study, foreground=True)
     try:
         for r in runs:
-            rd = study.run(r.name)
-            threads = local_threads(r.job)
-            print(f"== {r.name}: {r.world_size} rank(s), {threads} thread(s) each", file=out, flush=True)
-            backend = LocalBackend(echo=echo, quiet=echo is None, threads=threads)
-            result = backend.launch(backend.plan(r.job, rd.path))  # the plan whose files create_study wrote
-            backend.record(rd.path, result)
-            outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": result.job_id,
-                                    "status": "completed" if result.ok else "failed",
-                                    "wall_time_s": round(result.wall_time_s, 3)})
-            write_submitted(study, "local", outcome.entries, None)
-            if result.interrupted:
+            plan = plan_submission(r.job, study.run(r.name).path, backend)  # the plan whose files create_study wrote
+            print(f"== {r.name}: {plan.summary or f'{r.world_size} rank(s)'}", file=out, flush=True)
+            ended = backend.run_here(plan, echo=echo)
+            outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": ended.job_id,
+                                    "status": "completed" if ended.ok else "failed",
+                                    "wall_time_s": round(ended.wall_time_s, 3)})
+            write_submitted(study, backend.name, outcome.entries, None)
+            if ended.interrupted:
                 outcome.interrupted = True
                 print(f"error: interrupted during {r.name}; the study is incomplete: {study.path}", file=err)
                 return outcome
-            if not result.ok:
+            if not ended.ok:
                 outcome.failed += 1
-                print(format_failure(result), file=err)
+                print(ended.report, file=err)
             else:
-                print(f"== {r.name}: completed in {result.wall_time_s:.1f} s", file=out, flush=True)
+                print(f"== {r.name}: completed in {ended.wall_time_s:.1f} s", file=out, flush=True)
     finally:
-        write_submitted(study, "local", outcome.entries, None)
-    return outcome
-
-
-def run_submitit_local(runs: Sequence[SweepRun], study: StudyDir, backend: Any, *,
-                       out: IO[str] | None = None, err: IO[str] | None = None) -> StudyOutcome:
-    """submitit's local executor: run the points one after another in the foreground."""
-    out, err = out or io.StringIO(), err or io.StringIO()
-    outcome = StudyOutcome(study, foreground=True)
-    for r in runs:
-        rd = study.run(r.name)
-        print(f"== {r.name}: {r.world_size} rank(s) via submitit (local executor)", file=out, flush=True)
-        try:
-            job_id = backend.schedule(plan_submission(r.job, rd.path, backend)).job_id
-            status = "completed"
-        except CycloneError as e:
-            outcome.failed += 1
-            job_id = rd.submitit_job_id() or ""
-            status = "failed"
-            print(f"error: {e}", file=err)
-        rd.write_backend(backend.name)
-        if job_id:
-            rd.write_job_id(job_id)
-        outcome.entries.append({"name": r.name, "run_dir": r.name, "job_id": job_id, "status": status})
         write_submitted(study, backend.name, outcome.entries, None)
     return outcome
 
 
 def submit_study(sweep: SweepSpec, runs: Sequence[SweepRun], study: StudyDir, backend: str, *,
-                 out: IO[str] | None = None, err: IO[str] | None = None) -> StudyOutcome:
+                 echo: IO[str] | None = None, out: IO[str] | None = None, err: IO[str] | None = None) -> StudyOutcome:
     """Submit every point through ``backend`` (chained ``afterany`` when the sweep is serial), then the
     report job after all of them; all or nothing (a failure cancels what was submitted).
 
-    submitit's local executor runs the points in the foreground instead (:func:`run_submitit_local`).
+    A backend that runs its jobs here (the local launcher, submitit's local executor) runs the points in the
+    foreground instead (:func:`run_here`, rank 0's output to ``echo``); the caller runs the report after them.
     """
     from cyclone_kit.backends.slurm import SlurmBackend
 
     out, err = out or io.StringIO(), err or io.StringIO()
-    chosen = get_backend(backend)
-    if backend == "submitit" and chosen.chosen_executor() == "local":  # type: ignore[attr-defined]
-        return run_submitit_local(runs, study, chosen, out=out, err=err)
-    if backend == "local":
-        raise ValidationError("the local backend runs a study in the foreground", hint="use run_local")
+    chosen = study_backend(backend)
+    if chosen.foreground:
+        return run_here(runs, study, chosen, echo=echo, out=out, err=err)
     outcome = StudyOutcome(study)
     slurm = SlurmBackend()
     try:

@@ -391,6 +391,31 @@ def test_module_paths_called_by_name_keep_working() -> None:
                               if isinstance(n, ast.FunctionDef)}
 
 
+#: Where a study or a submission is driven: the backend (``Backend.foreground``, ``for_study``, ``run_here``, its
+#: plan) says how its jobs run; these never compare a backend's name (issue 30).
+NO_BACKEND_NAMES = ("submit", "cli")
+BACKEND_NAMES = {"slurm", "submitit", "local"}
+
+
+def backend_name_branches(root: Path) -> list[str]:
+    """``module:line`` of every comparison with a backend's name in :data:`NO_BACKEND_NAMES`' modules."""
+    found = []
+    for package in NO_BACKEND_NAMES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Compare):
+                    continue
+                sides = [node.left, *node.comparators]
+                sides += [e for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set)) for e in s.elts]
+                if any(isinstance(s, ast.Constant) and s.value in BACKEND_NAMES for s in sides):
+                    found.append(f"{module_name(path, root)}:{node.lineno}")
+    return found
+
+
+def test_studies_and_submissions_never_branch_on_a_backends_name() -> None:
+    assert backend_name_branches(PACKAGE) == []
+
+
 @pytest.fixture()
 def planted(tmp_path: Path) -> Path:
     """A copy of the package to plant faults in."""
@@ -433,6 +458,16 @@ def test_a_planted_launcher_name_comparison_is_found(planted: Path) -> None:
     found = launcher_name_comparisons(planted)
     assert any("config.sweep" in v and "horovod" in v for v in found)
     assert any("submit.render" in v and "torchrun" in v for v in found)
+
+
+def test_a_planted_backend_name_branch_is_found(planted: Path) -> None:
+    study = planted / "submit" / "study.py"
+    study.write_text(study.read_text() + "\n\ndef _late(backend):\n    return backend in ('local', 'submitit')\n")
+    sweep = planted / "cli" / "sweep.py"
+    sweep.write_text(sweep.read_text() + "\n\ndef _late(args):\n    return args.backend != 'local'\n")
+    found = backend_name_branches(planted)
+    assert any(v.startswith("cyclone_kit.submit.study:") for v in found)
+    assert any(v.startswith("cyclone_kit.cli.sweep:") for v in found)
 
 
 def test_planted_breaches_of_the_rank_sides_rooms_are_found(planted: Path) -> None:
