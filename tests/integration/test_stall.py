@@ -126,7 +126,7 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path) -> No
     assert child.returncode == 1, out + err
     assert run_dir is not None
     failure = _failure(run_dir)
-    assert (failure["cause"], failure.get("stuck")) == ("stalled", [1]), failure
+    assert (failure["cause"], failure.get("stuck")) == ("stalled", [1]), (failure.get("root_cause"), err[-4000:])
     assert "rank 1 on host localhost" in failure["root_cause"] and "did not answer" in failure["root_cause"]
     assert "rank(s) 0 waited for it" in failure["root_cause"], failure["root_cause"]
     record = json.loads((run_dir / "ranks" / "error-rank-00001.json").read_text())

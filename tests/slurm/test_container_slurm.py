@@ -146,7 +146,9 @@ def test_engine_in_a_container_is_signalled_requeued_and_resumes(jobs: dict[str,
     assert f"a rank asked for a requeue of job {job_id} (from a container)" in logs, logs[-4000:]
     assert not (run_dir / "requeue_requested").exists() and not (run_dir / "failure.json").exists()
     text = (run_dir / "job.sbatch").read_text()
-    assert f"ch-run -b /tmp -b /{Path(sys.prefix).parts[1]} --set-env=CYCLONE_REQUEUE_BY=stepwatch " \
+    # the run directory's and the venv's top folders, each bound once (a clone under /tmp has its venv there too)
+    binds = " ".join(f"-b {b}" for b in dict.fromkeys(["/tmp", f"/{Path(sys.prefix).parts[1]}"]))
+    assert f"ch-run {binds} --set-env=CYCLONE_REQUEUE_BY=stepwatch " \
            f"--set-env=CYCLONE_CONTAINER=charliecloud --cd={run_dir} {IMAGE} -- python3 -m cyclone_kit.runtime" in text, text
     spec = json.loads((run_dir / "spec.json").read_text())["container"]
     assert (spec["runtime"], spec["image"]) == ("charliecloud", str(IMAGE)) and spec["pythonpath"]
