@@ -6,8 +6,9 @@ The judging is pure (:mod:`cyclone_kit.doctor.checks`); this module gathers the 
 * the partition, its nodes, accounting and the user's associations (:mod:`cyclone_kit.slurm.query`);
 * the profile's modules, where Lmod or Environment Modules is installed (:func:`module_facts`);
 * the smoke job: rendered from templates/doctor.sbatch.j2 (which extends base.sbatch.j2, so it
-  gets the profile's own modules, env, setup and python), submitted with sbatch, waited for by
-  its job state, then read back (:func:`run_smoke_job`).
+  gets the profile's own modules, env, setup and python), planned by the slurm backend
+  (:func:`smoke_plan`: the one value that is shown and submitted), its files written and the plan
+  scheduled, waited for by its job state, then read back (:func:`run_smoke_job`).
 
 Nothing here imports torch: the CLI process stays light; only the job's ranks import it.
 """
@@ -21,8 +22,9 @@ import os
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cyclone_kit.config.container import ContainerConfig
 from cyclone_kit.config.job import CheckpointConfig, JobSpec, Resources
@@ -33,6 +35,9 @@ from cyclone_kit.doctor.checks import Check, HostVersions, ModuleFacts, SmokeRes
 from cyclone_kit.launchers import SRUN
 from cyclone_kit.rundir.network import NetworkFigures
 
+if TYPE_CHECKING:
+    from cyclone_kit.backends.plan import SubmissionPlan
+
 #: the smoke job's name (``--job-name``) and the prefix of its run directory.
 JOB_NAME = "ck-doctor"
 #: its wall-time request; the probe itself is bounded by PROBE_TIMEOUT_S per stage.
@@ -41,6 +46,8 @@ JOB_TIME = "00:03:00"
 PROBE_TIMEOUT_S = 30
 #: size of the bandwidth all-reduce.
 PROBE_MEGABYTES = 8
+#: the smoke job's run directory's note in its rank reports' folder.
+README = ("doctor/README", "rank reports of cyclone-kit doctor's smoke job\n")
 
 
 @dataclass(frozen=True)
@@ -150,34 +157,54 @@ def _read_logs(logs: Path, suffix: str) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"*{suffix}")))
 
 
+def smoke_plan(job: ResolvedJob, run_dir: Path, *, python: str | None = None) -> SubmissionPlan:
+    """The smoke job in ``run_dir`` as the slurm backend plans it (pure): the doctor template's batch script
+    (what a dry run would print) as ``job.sbatch``, the ``sbatch`` line that submits it, and the rank reports'
+    folder. Its run directory is no run: it holds no ``spec.json``, so status, report and run lookups over the
+    runs directory never take it for a training run.
+
+    Raises:
+        ValidationError: a value the template refuses.
+    """
+    from cyclone_kit.backends.slurm import SlurmBackend
+    from cyclone_kit.rundir.layout import SPEC_FILE
+    from cyclone_kit.submit.render import render_script
+
+    run_dir = Path(run_dir).absolute()
+    script = render_script(job, run_dir, python=python, template="doctor.sbatch.j2",
+                           extra={"probe_timeout_s": PROBE_TIMEOUT_S, "probe_megabytes": PROBE_MEGABYTES,
+                                  "probe_dir": str(run_dir / "doctor")})
+    plan = SlurmBackend().plan(job, run_dir, script=script)
+    return replace(plan, files={**{rel: data for rel, data in plan.files.items() if rel != SPEC_FILE}, README[0]: README[1]})
+
+
 def run_smoke_job(job: ResolvedJob, runs_dir: Path, *, wait_timeout_s: float, python: str | None = None,
                   progress: Callable[[str], None] = lambda _: None) -> SmokeResult:
-    """Render, submit and wait for the smoke job; return what it left.
+    """Plan (:func:`smoke_plan`), write, schedule and wait for the smoke job; return what it left.
 
     The job is waited for by its state (squeue, then sacct / scontrol), never by a fixed sleep;
     after ``wait_timeout_s`` it is cancelled and reported as not finished.
     """
     from cyclone_kit.backends.slurm import SlurmBackend
     from cyclone_kit.rundir.layout import RunDir, create_run_dir, remove_run_dir, run_dir_name
-    from cyclone_kit.submit.render import render_script
+    from cyclone_kit.submit.submission import write_plan
 
-    extra = {"probe_timeout_s": PROBE_TIMEOUT_S, "probe_megabytes": PROBE_MEGABYTES}
     runs_dir = Path(runs_dir).absolute()
-    placeholder = runs_dir / run_dir_name(JOB_NAME)
-    render_script(job, placeholder, python=python, template="doctor.sbatch.j2",
-                  extra={**extra, "probe_dir": str(placeholder / "doctor")})  # fail before creating anything
-    run_dir = create_run_dir(runs_dir, JOB_NAME, {"doctor/README": "rank reports of cyclone-kit doctor's smoke job\n"})
-    script = render_script(job, run_dir, python=python, template="doctor.sbatch.j2",
-                           extra={**extra, "probe_dir": str(run_dir / "doctor")})
+    smoke_plan(job, runs_dir / run_dir_name(JOB_NAME), python=python)  # fail before creating anything
+    run_dir = create_run_dir(runs_dir, JOB_NAME, {})
+    try:
+        plan = smoke_plan(job, run_dir, python=python)
+        write_plan(plan)
+    except BaseException:
+        remove_run_dir(run_dir)
+        raise
     rd = RunDir(run_dir)
-    rd.write_script(script)
     backend = SlurmBackend(timeout=30)
     try:
-        job_id = backend.submit(rd.script, run_dir)
+        job_id = backend.schedule(plan).job_id  # records the job id and the backend in the run directory
     except CycloneError as e:
         remove_run_dir(run_dir)
         return SmokeResult(job_id="", state="", finished=False, reason=str(e))
-    rd.write_submission(job_id, backend.name)
     progress(f"smoke job {job_id}: {job.nodes} node(s) x {job.ntasks_per_node} task(s) on {job.partition.name}; "
              f"run dir {run_dir}")
     deadline = time.monotonic() + wait_timeout_s
