@@ -149,12 +149,14 @@ def _note_signals():
     signal.signal = noting
 
 
-def _hold_checkpoint_writes():
+def _hold_fsyncs(pattern, nth, marker):
+    """Hold the ``nth`` fsync of a file whose name matches ``pattern`` until the test releases it
+    (the file is complete, not yet renamed or recorded); ``marker`` says which one is held."""
     import os
     import re
 
     fsync = os.fsync
-    name = re.compile("^[.]ckpt-[0-9]+[.]pt[.][^.]+[.]tmp$")
+    name = re.compile(pattern)
     seen = [0]
 
     def held_fsync(fd):
@@ -165,32 +167,8 @@ def _hold_checkpoint_writes():
         if name.match(os.path.basename(target)):
             seen[0] += 1
             release = os.path.join(HOLD_DIR, "release")
-            if seen[0] == HOLD_WRITE and not os.path.exists(release):
-                _touch(os.path.join(HOLD_DIR, "writing"), target + "\\n")
-                _wait_for(release)
-        return fsync(fd)
-
-    os.fsync = held_fsync
-
-
-def _hold_shard_writes():
-    import os
-    import re
-
-    fsync = os.fsync
-    name = re.compile("^__[0-9]+_[0-9]+[.]distcp$")
-    seen = [0]
-
-    def held_fsync(fd):
-        try:
-            target = os.readlink("/proc/self/fd/%d" % int(fd))
-        except (OSError, TypeError, ValueError):
-            target = ""
-        if name.match(os.path.basename(target)):
-            seen[0] += 1
-            release = os.path.join(HOLD_DIR, "release")
-            if seen[0] == HOLD_SHARD and not os.path.exists(release):
-                _touch(os.path.join(HOLD_DIR, "writing-shard-rank-%d" % _rank()), target + "\\n")
+            if seen[0] == nth and not os.path.exists(release):
+                _touch(os.path.join(HOLD_DIR, marker), target + "\\n")
                 _wait_for(release)
         return fsync(fd)
 
@@ -229,10 +207,10 @@ if STEP_DELAY_S > 0 or HOLD_STEP is not None:
     _PATCHES["torch.optim.optimizer"] = _step_hooks
 if HOLD_STEP is not None or HOLD_WRITE is not None:
     _note_signals()
-if HOLD_WRITE is not None:
-    _hold_checkpoint_writes()
+if HOLD_WRITE is not None:  # rank 0's checkpoint file
+    _hold_fsyncs("^[.]ckpt-[0-9]+[.]pt[.][^.]+[.]tmp$", HOLD_WRITE, "writing")
 if HOLD_SHARD is not None and _fresh_segment() and HOLD_SHARD_RANK in (None, _rank()):
-    _hold_shard_writes()
+    _hold_fsyncs("^__[0-9]+_[0-9]+[.]distcp$", HOLD_SHARD, "writing-shard-rank-%d" % _rank())  # a DCP shard
 if _PATCHES:
     sys.meta_path.insert(0, _AfterImport(_PATCHES))
 '''
