@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The full test suite, as `make test` runs it, in two phases that keep both cores busy:
-#   phase 1: the integration tier (CPU-bound: real gloo ranks) beside the "early" Slurm files (SLURM_EARLY);
+#   phase 1: the integration tier (CPU-bound: real gloo ranks) beside the "early" Slurm files (SLURM_EARLY), then
+#            the notebook's test (EARLY_BESIDE);
 #   phase 2: the rest of the Slurm tier beside the unit tier and then the "beside" integration files (BESIDE).
 #
 # Why this shape (issue 27, measured with tests/helpers/cpu_time.py's CPU seconds and each tier's "cores busy"):
@@ -8,7 +9,7 @@
 # scheduler's waits (Slurm's 60-120 s signal window, requeues, a lost node's detection) and not CPU. Both whole
 # tiers side by side ran 1.9-2.5x slower each (2,103 s on a fresh CI machine), one after the other 1,881 s.
 # So each phase pairs CPU-bound work with wait-bound work: the Slurm files whose time is mostly waiting
-# (SLURM_EARLY: ~390 s of wall, little CPU) run beside the integration tier, and the Slurm files with more
+# (SLURM_EARLY: ~700 s of wall, little CPU) run beside the integration tier, and the Slurm files with more
 # CPU in their jobs (the pipeline's 8-rank ResNet-18 jobs, the published examples) beside the short unit tier and
 # the integration files that ask little CPU for their wall time (a CLI a test, a notebook kernel, users' scripts
 # through the shim, a made slow link or file system; ~400 CPU-s). The two Slurm runs never overlap (phase 2
@@ -26,15 +27,23 @@ logs=$(mktemp -d "${TMPDIR:-/tmp}/cyclone-tests.XXXXXX")
 # --durations: wall time per test (grows with what runs beside it); tests.helpers.cpu_time: CPU seconds per test
 # file (the work each asks of the machine, the same at any load), printed at each tier's end.
 common=(-q -ra -p no:cacheprovider -p tests.helpers.cpu_time --durations=40 "$@")
-TIERS=(integration early-slurm slurm unit beside)
+TIERS=(integration early-slurm early-beside slurm unit beside)
 # Integration files that run beside the Slurm tier instead of before it (each asserts no timing).
-BESIDE=(test_bad_input test_notebook test_scripts_local test_script_launch_env test_published_lightning
+BESIDE=(test_bad_input test_scripts_local test_script_launch_env test_published_lightning
         test_script_folder_local test_script_cli test_report_cli test_cli test_doctor_cli test_submitit_plan
         test_rendered_scripts_parse test_injection test_contract test_report_time_to_solution test_sweep_local
         test_submitit_local test_api_scripts test_local_plan test_diagnosis test_gpu_check)
 # Slurm files that run beside the integration tier (phase 1): their time is mostly the scheduler's waits.
-SLURM_EARLY=(test_requeue test_stall_slurm test_restart_in_job test_api_slurm test_sweep_slurm)
-beside=() ignored=() early=() late_ignored=()
+SLURM_EARLY=(test_requeue test_stall_slurm test_restart_in_job test_api_slurm test_sweep_slurm test_faults
+             test_container_slurm test_concurrency test_cost_slurm test_status_logs)
+# Integration files that run in phase 1 after the early Slurm files (which end before the integration tier).
+EARLY_BESIDE=(test_notebook)
+beside=() ignored=() early=() late_ignored=() early_beside=()
+for f in "${EARLY_BESIDE[@]}"; do
+    if [ -f "tests/integration/$f.py" ]; then
+        early_beside+=("tests/integration/$f.py") ignored+=("--ignore=tests/integration/$f.py")
+    fi
+done
 for f in "${BESIDE[@]}"; do
     if [ -f "tests/integration/$f.py" ]; then   # a file renamed or removed is not an error of the suite
         beside+=("tests/integration/$f.py") ignored+=("--ignore=tests/integration/$f.py")
@@ -93,7 +102,8 @@ started=$(date +%s)
 # phase 1 (in the background, so that a stop from outside is acted on at once)
 ( tier integration tests/integration "${ignored[@]}" ) &
 pids+=($!)
-( if [ ${#early[@]} -gt 0 ]; then tier early-slurm "${early[@]}"; else echo 0 >"$logs/early-slurm.rc"; fi ) &
+( if [ ${#early[@]} -gt 0 ]; then tier early-slurm "${early[@]}"; else echo 0 >"$logs/early-slurm.rc"; fi
+  if [ ${#early_beside[@]} -gt 0 ]; then tier early-beside "${early_beside[@]}"; else echo 0 >"$logs/early-beside.rc"; fi ) &
 pids+=($!)
 wait
 # phase 2
