@@ -22,6 +22,7 @@ allows them (:func:`judge_params`).
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def params_diverged(step: int, bad: int, log_every: int) -> TrainingDiverged:
 
 
 # --------------------------------------------------------------------------- the skeleton
-class SegmentLoop:
+class SegmentLoop(abc.ABC):
     """The mutable state of one training segment and its loop; a strategy's subclass supplies its step.
 
     A subclass's ``__init__`` sets ``session``, ``env``, ``tc`` (the spec's train table), ``cc`` (its
@@ -124,24 +125,29 @@ class SegmentLoop:
         self.params_warned = False
         self.validates = True  # False: this strategy cannot validate here (the pipeline on an older torch)
 
-    # -- what a strategy supplies
+    # -- what a strategy supplies (abstract: a strategy that lacks one fails when it is built, not mid-run)
+    @abc.abstractmethod
     def train_step(self, batches: Any, window: Window, loss_sum: torch.Tensor) -> torch.Tensor:
         """One optimizer step from ``batches``; the data wait goes into ``window``; returns ``loss_sum``
         plus this step's loss (on the device: no host sync)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def log(self, step: int, epoch: int, loss_sum: torch.Tensor, window: Window) -> None:
         """The log step: the window's record through the session, the line, then :meth:`judge_params`."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def validate(self) -> float | None:
         """The accuracy over the validation shards (every rank takes part), or None."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def write_checkpoint(self, step: int, epoch: int) -> None:
         """This strategy's checkpoint after ``step`` (every rank takes part; the session writes the file)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def params(self) -> Iterable[torch.Tensor]:
         """This rank's parameters (their finiteness is judged)."""
         raise NotImplementedError
@@ -156,6 +162,7 @@ class SegmentLoop:
 
     def begin(self) -> None:
         """Just before the first step of the segment (modules to train mode, clocks reset)."""
+        return None  # optional: a strategy with nothing to do here keeps this
 
     def end_fields(self) -> dict[str, Any]:
         """Extra fields of the segment's end (:meth:`~cyclone_kit.runtime.session.Session.end`)."""
