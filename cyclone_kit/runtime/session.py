@@ -59,6 +59,8 @@ class Session:
         host: this rank's node name.
         hostnames: every rank's node, deduplicated in rank order.
         t_start: ``time.perf_counter()`` at the start of the segment.
+        pg_timeout_s: the timeout of the process group the session created (None: a world of one, or a
+            group the script made), which the progress watchdog's bound stays below.
     """
 
     env: DistEnv
@@ -73,6 +75,7 @@ class Session:
     host: str
     hostnames: list[str]
     t_start: float
+    pg_timeout_s: float | None = None
     agreement: Any = None
     writer: mx.MetricsWriter | None = None
     global_rates: list[float] = field(default_factory=list)
@@ -575,7 +578,8 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
     host = env.host or socket.gethostname()
     session = Session(env=env, environ=environ, run_dir=Path(run_dir), cc=cc, stop_flag=stop_flag, device=device,
                       distributed=env.is_distributed, owns_group=owns, threads=threads, host=host,
-                      hostnames=gather_hosts(host, env.is_distributed), t_start=t_start)
+                      hostnames=gather_hosts(host, env.is_distributed), t_start=t_start,
+                      pg_timeout_s=pg_timeout_s if owns and env.is_distributed else None)
     session.agreement = StopAgreement(stop_flag, env.is_distributed, interval_s=cc.poll_s)
     return session
 
@@ -587,7 +591,7 @@ def start_watch(session: Session) -> Any:
     from cyclone_kit.runtime.watchers.stall import ProgressWatch, RunDirRecords, StallPolicy
 
     scriptsteps.hand_over()  # a script that calls ck.log_step: the shim's optimizer-step watchdog stops here
-    policy = StallPolicy(session.cc.stall_floor_s, session.cc.stall_factor)
+    policy = StallPolicy.below_collectives(session.cc.stall_floor_s, session.cc.stall_factor, session.pg_timeout_s)
     if not policy.enabled:
         return False
     env = session.env

@@ -34,6 +34,21 @@ def test_bound_is_the_floor_or_a_multiple_of_the_median_step() -> None:
     assert pg.stall_bound(pg.StallPolicy(floor_s=0), [1.0] * 10) is None, "floor 0 turns it off"
 
 
+def test_bound_stays_below_the_process_groups_timeout() -> None:
+    """A peer waiting for a stopped rank fails at its collective's timeout: a bound past it would never name the
+    stopped rank (slow first steps on a busy machine: 20 x 3.5 s > a 60-s timeout), so it is held below it."""
+    policy = pg.StallPolicy.below_collectives(6, 20, 60)
+    assert policy.ceiling_s == pg.COLLECTIVE_SHARE * 60
+    assert pg.stall_bound(policy, [3.5, 3.0, 4.0]) == policy.ceiling_s
+    assert pg.stall_bound(policy, [0.1, 0.1, 0.1]) == 6, "below the ceiling the rule is unchanged"
+    assert pg.stall_bound(pg.StallPolicy.below_collectives(60, 20, 60), [0.1] * 3) == policy.ceiling_s, "floor too"
+    assert pg.StallPolicy.below_collectives(60, 20, None).ceiling_s is None, "a world of one: no collective"
+    held = {"bound_s": 45.0, "floor_s": 6, "factor": 20, "median_step_s": 3.5, "ceiling_s": 45.0}
+    assert pg.describe_bound(held).startswith("bound 45.0 s = 0.75 x the process group's timeout, below max(")
+    assert pg.describe_bound({**held, "bound_s": 6.0, "median_step_s": 0.1}) == (
+        "bound 6.0 s = max(checkpoint.stall_floor_s 6 s, 20 x median step 0.100 s)")
+
+
 def test_collective_timeout_stays_below_the_remaining_wall_time() -> None:
     now = 1_000_000.0
     assert pg.collective_timeout(600, None, now) == 600

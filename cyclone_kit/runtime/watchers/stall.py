@@ -56,6 +56,10 @@ STALL_EXIT_CODE = 124
 MIN_STEPS = 3
 #: Step intervals kept for the median.
 WINDOW = 101
+#: The bound's ceiling as a share of the process group's timeout: the watchdog (which looks every
+#: ``check_interval`` <= 5 s) decides before a peer's collective times out (at 30 s, the least
+#: timeout: 22.5 + 2.25 s).
+COLLECTIVE_SHARE = 0.75
 #: Seconds a main thread that failed while its watchdog ends the rank waits for that exit (a bound).
 PARK_S = 120.0
 #: Set once a watchdog of this process decided that its rank stalled (it will leave with STALL_EXIT_CODE).
@@ -73,10 +77,24 @@ class StallPolicy:
     Attributes:
         floor_s: the least bound in seconds (``checkpoint.stall_floor_s``; 0 turns the watchdog off).
         factor: the bound in median step times (``checkpoint.stall_factor``).
+        ceiling_s: the largest bound (None: none): below the process group's timeout, see
+            :meth:`below_collectives`.
     """
 
     floor_s: float = 60.0
     factor: float = 20.0
+    ceiling_s: float | None = None
+
+    @classmethod
+    def below_collectives(cls, floor_s: float, factor: float, pg_timeout_s: float | None) -> StallPolicy:
+        """The policy of a rank whose peers' collectives time out after ``pg_timeout_s`` (None: unknown).
+
+        A peer waiting for a stopped rank fails when its collective times out; a bound past that is never
+        reached and the stopped rank is never named (the run fails with the peer's timeout instead). So
+        the bound is kept at :data:`COLLECTIVE_SHARE` of the timeout, floor included.
+        """
+        ceiling = None if not pg_timeout_s else COLLECTIVE_SHARE * float(pg_timeout_s)
+        return cls(floor_s, factor, ceiling)
 
     @property
     def enabled(self) -> bool:
@@ -89,7 +107,8 @@ def stall_bound(policy: StallPolicy, intervals: Sequence[float]) -> float | None
     """Seconds without a step after which a rank is stalled; None while unarmed (pure)."""
     if not policy.enabled or len(intervals) < MIN_STEPS:
         return None
-    return max(policy.floor_s, policy.factor * statistics.median(intervals))
+    bound = max(policy.floor_s, policy.factor * statistics.median(intervals))
+    return bound if policy.ceiling_s is None else min(bound, policy.ceiling_s)
 
 
 def check_interval(bound: float | None) -> float:
@@ -240,9 +259,15 @@ def collective_timeout(pg_timeout_s: int, end_time: str | None, now: float) -> i
 
 
 def describe_bound(rec: Mapping[str, Any]) -> str:
-    """``bound 60 s = max(floor 60 s, 20 x median step 0.120 s)`` for a progress record (pure)."""
-    return (f"bound {rec.get('bound_s', 0):.1f} s = max(checkpoint.stall_floor_s {rec.get('floor_s', 0):g} s, "
+    """``bound 60 s = max(floor 60 s, 20 x median step 0.120 s)`` for a progress record (pure); a bound held
+    below the process group's timeout says so."""
+    rule = (f"max(checkpoint.stall_floor_s {rec.get('floor_s', 0):g} s, "
             f"{rec.get('factor', 0):g} x median step {rec.get('median_step_s') or 0:.3f} s)")
+    bound, ceiling = rec.get("bound_s") or 0, rec.get("ceiling_s")
+    if ceiling and bound >= ceiling:
+        return (f"bound {bound:.1f} s = {COLLECTIVE_SHARE:g} x the process group's timeout, below {rule}: "
+                "a peer's collective would time out first")
+    return f"bound {bound:.1f} s = {rule}"
 
 
 def stall_line(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] | None], world_size: int) -> str:
@@ -425,7 +450,8 @@ class ProgressWatch:
                 "step": self.step, "progress_time": time.time() - idle, "beat_time": time.time(),
                 "idle_s": round(idle, 3), "bound_s": bound,
                 "median_step_s": statistics.median(intervals) if intervals else None,
-                "floor_s": self.policy.floor_s, "factor": self.policy.factor, **extra}
+                "floor_s": self.policy.floor_s, "factor": self.policy.factor, "ceiling_s": self.policy.ceiling_s,
+                **extra}
 
     def _write(self, rec: Mapping[str, Any]) -> None:
         self._last_write = time.monotonic()
