@@ -46,15 +46,18 @@ TIMEOUT_S = 240
 SLOW_TEST_TIMEOUT_S = 900
 #: Steps of the tiny-CNN runs signalled while both ranks are held after step 5
 #: (:mod:`tests.helpers.slow_parts`). With checkpoint.poll_s=0 the ranks agree on the stop flag after
-#: every step, so the stop comes within a step or two of the hold at any speed.
-SIGNALLED_STEPS = 40
+#: every step, so the stop comes within a step or two of the hold at any speed (5-7, asserted): 12 leaves
+#: the resumed segment 5-7 steps, across the step-10 checkpoint.
+SIGNALLED_STEPS = 12
 #: The least step time of a signalled segment (a sleep after every optimizer step).
 STEP_FLOOR_S = 0.01
 #: Rounds of the signal storm sent while the stop checkpoint's write is held (its temporary file complete,
 #: not yet renamed), before the write is released.
 STORM_ROUNDS_DURING_WRITE = 50
-#: Steps of the ResNet-18 storm run (signalled from step 3, while both ranks are held there).
-STORM_STEPS = 40
+#: Steps of the ResNet-18 storm run (signalled from step 3, while both ranks are held there). With
+#: checkpoint.poll_s=0 the ranks agree on the stop after every step, so it comes at step 3-5 at any speed
+#: and the resumed segment runs 1-3 steps.
+STORM_STEPS = 6
 
 
 # --------------------------------------------------------------------------- helpers
@@ -172,14 +175,15 @@ def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: P
 @pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
 def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: Path) -> None:
     """USR2 then SIGTERM/USR2 alternately every 2 ms at both ranks until the stop checkpoint is in
-    place; checkpoint.every_steps=0 makes it the only checkpoint. The moments are made
+    place; checkpoint.every_steps=0 makes it the only checkpoint, checkpoint.poll_s=0 makes the stop come
+    a step or two after the hold at any speed (the ranks agree after every step). The moments are made
     (:mod:`tests.helpers.slow_parts`): the storm starts while both ranks are held after step 3 (they go
     on once both received a signal), and the stop checkpoint's write is held before its fsync (the
     temporary file complete, not yet renamed) for STORM_ROUNDS_DURING_WRITE rounds."""
     total = STORM_STEPS
     holds = hold_files(tmp_path / "hold")
     run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
-                   "train.log_every=1", "checkpoint.every_steps=0",
+                   "train.log_every=1", "checkpoint.every_steps=0", "checkpoint.poll_s=0",
                    env=slow_parts_env(tmp_path / "hold", hold_step=3, hold_write=1))
     ckpts = run.run_dir / "checkpoints"
     sent = during_write = 0
@@ -212,6 +216,7 @@ def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: P
     ends = records(run.run_dir, "end")
     assert [e["status"] for e in ends] == ["preempted"], (ends, err)
     stopped = ends[0]["steps"]
+    assert 3 <= stopped < total, "poll_s 0: the stop came within the next agreements after the hold, mid-run"
     state, _ = ck.load_latest(run.run_dir / "checkpoints")
     assert state["step"] == stopped
     for _, path in ck.list_checkpoints(ckpts):
@@ -229,8 +234,9 @@ def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previ
     checkpoint is complete; the run fails, and the same run directory resumes from the earlier one.
     The moment is made (:mod:`tests.helpers.slow_parts`): the second checkpoint's write (step 2 x
     every), in the background thread, is held before its fsync while training goes on to step 3 x
-    every, and the kill lands while it is held."""
-    total, every = 20, 5
+    every, and the kill lands while it is held. A checkpoint every step: the first segment runs 3
+    (ResNet-18) steps and the resumed one 3."""
+    total, every = 4, 1
     holds = hold_files(tmp_path / "hold")
     run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
                    "train.log_every=1", f"checkpoint.every_steps={every}", "checkpoint.keep=3",
