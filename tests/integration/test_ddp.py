@@ -134,18 +134,21 @@ def test_two_rank_run_writes_the_metrics_contract(pair_runs: dict[str, Path]) ->
 
 
 # ------------------------------------------------------------------------ exact resume after a signal
-#: Steps of the runs the tests signal (and of their uninterrupted reference). The signal lands while
-#: every rank is held after optimizer step 12 (:mod:`tests.helpers.slow_parts`), so mid-run at any
-#: speed. FSDP follows the one-rank run to ~2e-5 over these steps.
-SIGNALLED_STEPS = 150
+#: Steps of the runs the tests signal (and of their uninterrupted reference): smoke.toml's 30, 3 epochs of
+#: 10. The signal lands while every rank is held after optimizer step 12 (:mod:`tests.helpers.slow_parts`),
+#: so mid-run at any speed; the stop comes at 12-20 (asserted), so the resumed segment starts in the second
+#: epoch and crosses the epoch boundary at 20. FSDP follows the one-rank run to ~2e-5 over these steps.
+SIGNALLED_STEPS = 30
 
 
 @pytest.fixture(scope="module")
-def long_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One rank x batch 64 for SIGNALLED_STEPS steps, never interrupted: the trajectory to follow."""
-    run = tmp_path_factory.mktemp("long") / "one-rank"
-    write_spec(run, batch_size=64, log_every=1, synthetic_samples=640, steps=SIGNALLED_STEPS)
-    run_ranks(run, 1)
+def long_reference(pair_runs: dict[str, Path]) -> Path:
+    """One rank x batch 64 for SIGNALLED_STEPS steps, never interrupted: the trajectory to follow. It is
+    pair_runs' one-rank run (the same spec), so no rank process is started for it."""
+    run = pair_runs["one"]
+    spec = json.loads((run / "spec.json").read_text())["train"]
+    assert (spec["batch_size"], spec["synthetic_samples"], spec["steps"]) == (64, 640, SIGNALLED_STEPS), spec
+    assert [e["status"] for e in records(run, "end")] == ["completed"]
     return run
 
 
