@@ -6,9 +6,9 @@
   the ranks like srun does, with the same outcome.
 * A storm of signals (USR2 and SIGTERM every 2 ms) at both ranks from the stop request until
   the stop checkpoint is in place: the checkpoint loads and the run resumes from it.
-* SIGKILL of the writing rank while a checkpoint is being written in the background (ResNet-18,
-  ~90 MB per checkpoint; training went on meanwhile): the previous checkpoint still loads and the
-  run resumes from it.
+* SIGKILL of the writing rank while a checkpoint is being written in the background (the write held
+  before its fsync, training went on meanwhile): the previous checkpoint still loads and the run
+  resumes from it.
 * The per-rank watchdog (cyclone_kit.runtime.watchdog) records a rank killed by a signal.
 
 tests/unit/test_checkpoint.py already kills a bare save loop; these kill real training runs.
@@ -54,7 +54,7 @@ STEP_FLOOR_S = 0.01
 #: Rounds of the signal storm sent while the stop checkpoint's write is held (its temporary file complete,
 #: not yet renamed), before the write is released.
 STORM_ROUNDS_DURING_WRITE = 50
-#: Steps of the ResNet-18 storm run (signalled from step 3, while both ranks are held there). With
+#: Steps of the storm run (signalled from step 3, while both ranks are held there). With
 #: checkpoint.poll_s=0 the ranks agree on the stop after every step, so it comes at step 3-5 at any speed
 #: and the resumed segment runs 1-3 steps.
 STORM_STEPS = 6
@@ -179,11 +179,12 @@ def test_signal_storm_during_the_stop_checkpoint_does_not_corrupt_it(tmp_path: P
     a step or two after the hold at any speed (the ranks agree after every step). The moments are made
     (:mod:`tests.helpers.slow_parts`): the storm starts while both ranks are held after step 3 (they go
     on once both received a signal), and the stop checkpoint's write is held before its fsync (the
-    temporary file complete, not yet renamed) for STORM_ROUNDS_DURING_WRITE rounds."""
+    temporary file complete, not yet renamed) for STORM_ROUNDS_DURING_WRITE rounds. The hold, not the
+    checkpoint's size, keeps the write open, so smoke.toml's tiny CNN serves (no ResNet-18 needed)."""
     total = STORM_STEPS
     holds = hold_files(tmp_path / "hold")
-    run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
-                   "train.log_every=1", "checkpoint.every_steps=0", "checkpoint.poll_s=0",
+    run = LocalRun(tmp_path, f"train.steps={total}", "train.log_every=1", "checkpoint.every_steps=0",
+                   "checkpoint.poll_s=0",
                    env=slow_parts_env(tmp_path / "hold", hold_step=3, hold_write=1))
     ckpts = run.run_dir / "checkpoints"
     sent = during_write = 0
@@ -234,12 +235,12 @@ def test_sigkill_while_a_training_run_writes_a_checkpoint_resumes_from_the_previ
     checkpoint is complete; the run fails, and the same run directory resumes from the earlier one.
     The moment is made (:mod:`tests.helpers.slow_parts`): the second checkpoint's write (step 2 x
     every), in the background thread, is held before its fsync while training goes on to step 3 x
-    every, and the kill lands while it is held. A checkpoint every step: the first segment runs 3
-    (ResNet-18) steps and the resumed one 3."""
+    every, and the kill lands while it is held. A checkpoint every step: the first segment runs 3 steps
+    and the resumed one 3."""
     total, every = 4, 1
     holds = hold_files(tmp_path / "hold")
-    run = LocalRun(tmp_path, "train.model=resnet18", "train.batch_size=8", f"train.steps={total}",
-                   "train.log_every=1", f"checkpoint.every_steps={every}", "checkpoint.keep=3",
+    run = LocalRun(tmp_path, f"train.steps={total}", "train.log_every=1", f"checkpoint.every_steps={every}",
+                   "checkpoint.keep=3",
                    env=slow_parts_env(tmp_path / "hold", hold_write=2))
     ckpts = run.run_dir / "checkpoints"
     try:
