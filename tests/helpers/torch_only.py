@@ -1,5 +1,6 @@
-"""A Python that has torch and nothing else, like a preinstalled GPU image: a fresh venv (with pip) that
-sees, through one .pth file, only torch, torchvision and what they require, linked from this environment."""
+"""A Python that has torch and nothing else, like a preinstalled GPU image: a fresh venv that sees, through
+one .pth file, only torch, torchvision, pip and what they require, linked from this environment. (pip is
+linked like torch, not installed into the venv by ensurepip: ~5.5 CPU-s a venv, issue 27.)"""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-#: What a torch image is taken to hold: these and everything they require.
-IMAGE = ("torch", "torchvision")
+#: What a torch image is taken to hold: these and everything they require (the images hold pip).
+IMAGE = ("torch", "torchvision", "pip")
 
 
 def _key(name: str) -> str:
@@ -40,8 +41,8 @@ def image_closure(roots: tuple[str, ...] = IMAGE) -> dict[str, md.Distribution]:
 
 
 def torch_only_python(root: Path) -> Path:
-    """Make ``root/venv`` (a venv of the base interpreter, with pip) that imports torch from
-    ``root/image`` (symlinks to this environment's copies) and nothing of the project; its python."""
+    """Make ``root/venv`` (a venv of the base interpreter) that imports torch and pip from ``root/image``
+    (symlinks to this environment's copies) and nothing of the project; its python."""
     image = root / "image"
     image.mkdir(parents=True)
     for dist in image_closure().values():
@@ -52,7 +53,7 @@ def torch_only_python(root: Path) -> Path:
             (image / top).symlink_to(base / top)
     venv = root / "venv"
     base_python = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base_python, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+    subprocess.run([base_python, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True, timeout=300)
     (site,) = (venv / "lib").glob("python3*/site-packages")
     (site / "torch_image.pth").write_text(f"{image}\n", encoding="utf-8")
     return venv / "bin" / "python"
