@@ -91,12 +91,19 @@ def test_a_rank_hung_at_a_step_is_named_with_its_stack(tmp_path: Path) -> None:
     assert status.returncode == 1 and "root cause" in status.stdout and "rank 1" in status.stdout, status.stdout
 
 
-def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("floor_s", "pg_timeout_s"), [
+    pytest.param(FLOOR_S, 60, id="floor"),
+    # a floor past the process group's timeout: rank 0's all-reduce would time out first (the run failing as
+    # rank_failed, nobody named) unless the watchdog holds its bound below the timeout (0.75 x 30 s)
+    pytest.param(100, 30, id="held-below-the-collective-timeout"),
+])
+def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path, floor_s: int, pg_timeout_s: int) -> None:
     """SIGSTOP rank 1 of the built-in engine: it cannot say anything; rank 0's watchdog names it."""
     stopped: list[int] = []
 
     argv = ["run", str(SMOKE), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path),
-            "--set", "train.steps=1000000", "--set", "train.log_every=5", "--set", f"checkpoint.stall_floor_s={FLOOR_S}",
+            "--set", "train.steps=1000000", "--set", "train.log_every=5", "--set", f"checkpoint.stall_floor_s={floor_s}",
+            "--set", f"train.pg_timeout_s={pg_timeout_s}",
             # no validation pass and no checkpoint: the stop lands in a step (a pause, not a step, is not watched;
             # a peer that stops there is left to the collective's timeout)
             "--set", "train.val_samples=0", "--set", "checkpoint.every_steps=0"]
@@ -131,6 +138,10 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path) -> No
     assert "rank(s) 0 waited for it" in failure["root_cause"], failure["root_cause"]
     record = json.loads((run_dir / "ranks" / "error-rank-00001.json").read_text())
     assert record["source"] == "peer-watchdog" and record["type"] == "Stalled", record
+    waiter = json.loads((run_dir / "progress" / "rank-00000.json").read_text())
+    assert waiter["ceiling_s"] == 0.75 * pg_timeout_s and waiter["bound_s"] <= waiter["ceiling_s"], waiter
+    if floor_s > waiter["ceiling_s"]:
+        assert waiter["bound_s"] == waiter["ceiling_s"], waiter
     _ended_in_time(run_dir, 1)
 
 
