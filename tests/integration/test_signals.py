@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -309,6 +310,40 @@ def test_watchdog_forwards_signals_and_passes_exit_codes_through(tmp_path: Path)
     result = _watch(tmp_path, code, {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"})
     assert result.returncode == -signal.SIGTERM
     assert not (tmp_path / "failure.json").exists()
+
+
+def test_a_signal_while_the_rank_starts_is_passed_on_not_fatal_to_the_watchdog(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moment is made: SIGUSR2 reaches the watchdog just before the rank's process exists (inside its Popen
+    call). The watchdog survives it and passes it on once the rank exists: the rank ends by that signal (it
+    has no handler yet), and the watchdog, which forwarded it, records no death and ends by the same signal
+    (here its own kill is intercepted, so that pytest's process lives on)."""
+    from cyclone_kit.runtime.watchers import rankexit
+
+    real_popen, real_kill, children, own_kills = subprocess.Popen, os.kill, [], []
+
+    def popen_after_a_signal(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        assert callable(signal.getsignal(signal.SIGUSR2)), "the watchdog's handler must be in place before the rank"
+        real_kill(os.getpid(), signal.SIGUSR2)  # handled at once (main thread): the rank does not exist yet
+        children.append(real_popen(*args, **kwargs))
+        return children[-1]
+
+    def kill(pid: int, signum: int) -> None:
+        if pid == os.getpid():
+            own_kills.append(signum)
+        else:
+            real_kill(pid, signum)
+
+    monkeypatch.setattr(rankexit.subprocess, "Popen", popen_after_a_signal)
+    monkeypatch.setattr(rankexit.os, "kill", kill)
+    monkeypatch.setattr(rankexit.time, "sleep", lambda _s: None)
+    previous = signal.getsignal(signal.SIGUSR2)
+    code = rankexit.supervise([sys.executable, "-c", "import time; time.sleep(3600)"], tmp_path,
+                              {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "PATH": os.environ.get("PATH", "")})
+    assert len(children) == 1 and children[0].returncode == -signal.SIGUSR2, "the rank got the early signal"
+    assert own_kills == [signal.SIGUSR2] and code == 128 + signal.SIGUSR2, "then the watchdog ends the same way"
+    assert signal.getsignal(signal.SIGUSR2) is previous, "the watchdog's handlers are taken back"
+    assert not (tmp_path / "failure.json").exists() and not (tmp_path / "ranks").exists(), "a passed-on stop"
 
 
 @pytest.mark.parametrize(("env", "expected"), [

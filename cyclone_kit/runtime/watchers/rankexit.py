@@ -97,16 +97,26 @@ def supervise(argv: Sequence[str], run_dir: Path | str | None, environ: Mapping[
     base = dict(os.environ if environ is None else environ)
     target = run_dir or base.get("CYCLONE_RUN_DIR")
     forwarded: list[int] = []
-    # close_fds=False: the rank inherits every descriptor, as if srun had started it (PMI_FD of MPI/Horovod).
-    child = subprocess.Popen(list(argv), env={**base, CHILD_VAR: "1"}, close_fds=False)
+    pending: list[int] = []  # signals that came before the rank's process existed
+    child: subprocess.Popen[bytes] | None = None
 
     def forward(signum: int, frame: object) -> None:
         forwarded.append(signum)
+        if child is None:
+            pending.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError, OSError):
             child.send_signal(signum)
 
+    # The handlers come first: a signal (srun's, or the rank's own to its parent) that arrives while the rank
+    # starts is passed on once it exists, instead of killing the watchdog and orphaning the rank.
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
+        # close_fds=False: the rank inherits every descriptor, as if srun had started it (PMI_FD of MPI/Horovod).
+        child = subprocess.Popen(list(argv), env={**base, CHILD_VAR: "1"}, close_fds=False)
+        for signum in pending:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                child.send_signal(signum)
         while True:
             try:
                 code = child.wait()
