@@ -165,7 +165,7 @@ def test_cancel_running_two_node_job_leaves_no_process(backend: SlurmBackend, su
     backend.cancel(job_id)
     info = backend.wait(job_id, timeout=HANG_S)
     assert info.state is JobState.CANCELLED
-    # KillWait (15 s here): SIGTERM, then SIGKILL that long after at the latest.
+    # KillWait (60 s here, scripts/local-slurm.sh): SIGTERM, then SIGKILL that long after at the latest.
     wait_for(lambda: not processes_with_argv(["sleep", seconds]), HANG_S, f"no `sleep {seconds}` left")
     backend.cancel(job_id)  # cancelling a finished job is a no-op, not an error
 

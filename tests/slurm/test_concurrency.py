@@ -16,7 +16,7 @@ import os
 import re
 import subprocess
 import sys
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,8 @@ def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str
                                                           tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "cyclone_kit", "submit", str(SMOKE), "--profile", "local", "--partition", "cpu",
             "--nodes", "1", "--ntasks-per-node", "2", "--runs-dir", str(tmp_path),
-            "--set", f"train.steps={OVERLAP_STEPS}", "--set", "resources.extra_sbatch=['--nodelist=c1']"]
+            "--set", f"train.steps={OVERLAP_STEPS}", "--set", "train.log_every=1",
+            "--set", "resources.extra_sbatch=['--nodelist=c1']"]
     parts = [tmp_path / f"parts-{k}" for k in range(2)]
     holds = [hold_files(folder) for folder in parts]
     procs = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -132,6 +133,7 @@ def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str
         wait_for(lambda: all(h.at(HOLD_STEP, range(2)) for h in holds), HANG_S,
                  f"both jobs' ranks held after step {HOLD_STEP}", poll=0.2)
         running = [backend.status(i).state for i in (id_a, id_b)]
+        released = datetime.now(timezone.utc)  # after every rank logged step 1 and held after step 2
         for held in holds:
             held.go()
         a, b = backend.wait(id_a, timeout=HANG_S), backend.wait(id_b, timeout=HANG_S)
@@ -148,7 +150,9 @@ def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str
     (host_a, port_a), (host_b, port_b) = _master(dir_a), _master(dir_b)
     print(f"job {id_a}: master {host_a}:{port_a}; job {id_b}: master {host_b}:{port_b}")
     assert host_a == host_b == "c1" and port_a != port_b
-    # They trained at the same time: each one's first step came before the other one's end.
+    # They trained at the same time: each one's first step came before the other one's end. Made, at any
+    # speed (issue 27): with log_every=1 each job logged step 1 before its ranks held after step 2, i.e.
+    # before the test let them go, and neither could end before that.
     spans = []
     for run_dir in (dir_a, dir_b):
         recs = read_records(run_dir)
@@ -156,4 +160,5 @@ def test_two_jobs_on_the_same_node_at_once_both_complete(slurm_cluster: dict[str
         steps = [datetime.fromisoformat(r["time"]) for r in recs if r["kind"] == "step"]
         end = datetime.fromisoformat(next(r["time"] for r in recs if r["kind"] == "end"))
         spans.append((steps[0], end))
+        assert steps[0] < released < end, (run_dir.name, steps[0], released, end)
     assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], f"the two jobs did not train at the same time: {spans}"

@@ -130,7 +130,10 @@ def test_cancel_stops_a_running_two_node_training_job(slurm_cluster: dict[str, s
     `cancel`'s and `status`'s output, and no process of the job is left."""
     backend = SlurmBackend()
     job_id, run_dir = submit_smoke(tmp_path, "--nodes", "2", "--ntasks-per-node", "2",
-                                   sets=(f"train.steps={NEVER_STEPS}", "train.log_every=5"))
+                                   sets=(f"train.steps={NEVER_STEPS}", "train.log_every=5",
+                                         # every step is a poll: the ranks agree on the stop one step
+                                         # after scancel's SIGTERM reached them (issue 27)
+                                         "checkpoint.poll_s=0"))
     try:
         wait_for(lambda: steps_logged(run_dir) >= 5, HANG_S, "training to start")
         ranks = wait_for(lambda: (r := rank_pids(job_id)) and len(r) == 4 and r, HANG_S, "4 rank processes")
