@@ -149,6 +149,49 @@ def test_the_watchdog_fires_once_the_bound_passes_without_a_step() -> None:
     assert waited > own["bound_s"], (waited, own["bound_s"])
 
 
+def test_a_live_peer_that_decides_late_is_waited_for_a_stopped_one_is_not() -> None:
+    now = 1000.0
+    live = {"state": "running", "beat_time": now - 1.0, "bound_s": 6.0}
+    stopped = {"state": "running", "beat_time": now - 7.0, "bound_s": 6.0}  # last wrote when it stopped
+    assert pg.live_undecided({0: {"state": "stalled"}, 1: live}, 0, now)
+    assert not pg.live_undecided({0: {"state": "stalled"}, 1: stopped}, 0, now)
+    assert not pg.live_undecided({0: {"state": "stalled"}, 1: {**live, "state": "stalled"}}, 0, now)
+    assert not pg.live_undecided({0: live}, 0, now), "its own record does not count"
+
+
+def test_a_stalled_rank_waits_past_the_settle_time_for_a_peer_still_writing_its_record() -> None:
+    """The condition is made: the peer (rank 1) keeps beating and says ``stalled`` (waiting in a collective)
+    only after 1.5 settle times, as a peer whose watchdog a busy machine runs late. Rank 0's watchdog waits for
+    that verdict instead of deciding on its own at the settle time (then rank 1 would be "did not answer")."""
+    records, called, done = _Records(), [], threading.Event()
+    settle = 1.0  # the peer answers at 1.5 settle times: 1.5 s before rank 0's last wait (3 settle times) ends
+
+    def on_stall(stuck: list[int], recs: dict[int, Any], own: dict[str, Any]) -> None:
+        called.append((stuck, recs))
+
+    watch = pg.ProgressWatch(records, 0, 2, "c1", pg.StallPolicy(floor_s=0.3, factor=1), "7:0", on_stall,
+                             exit=lambda code: done.set(), settle_s=settle)
+    peer = {"rank": 1, "host": "c2", "pid": 2, "segment": "7:0", "state": "running", "step": 5, "bound_s": 0.3,
+            "beat_time": time.time()}
+    records.write(1, peer)
+    watch.start()
+    for step in range(1, 6):
+        watch.beat(step)
+        time.sleep(0.01)
+    while (records.read_all().get(0) or {}).get("state") != "stalled":  # rank 0 decided: its settle starts
+        records.write(1, {**peer, "beat_time": time.time()})
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5 * settle:  # alive, beating, not yet decided
+        assert not done.is_set(), "rank 0 decided without its live peer's verdict"
+        records.write(1, {**peer, "beat_time": time.time()})
+        time.sleep(0.05)
+    records.write(1, {**peer, "state": "stalled", "waiting": True, "beat_time": time.time()})
+    assert done.wait(30), "the watchdog never left"
+    (stuck, recs), = called
+    assert recs[1]["state"] == "stalled" and stuck == [0], (stuck, recs)
+
+
 class _CountingWatch(pg.ProgressWatch):
     """A ProgressWatch that counts its thread's looks (each look asks for the bound), so that a test
     can wait until the watchdog has judged a moment instead of hoping it looked in time."""

@@ -17,7 +17,8 @@ after every optimizer step: the built-in engines and ``ck.log_step`` call it thr
   watcher (:mod:`cyclone_kit.runtime.watchers.jobstep`);
 * when this rank made no step for longer than the bound, it dumps every thread's Python stack
   (:mod:`faulthandler`), notes whether the main thread waits inside a collective, marks its
-  record ``stalled``, waits a few seconds for its peers' records, and picks the rank(s) that
+  record ``stalled``, waits a few seconds for its peers' records (longer, up to
+  :data:`SETTLE_MAX_FACTOR` x that, for a peer still writing its record: alive, yet to decide), and picks the rank(s) that
   stopped making progress with :func:`choose_stuck` (the fewest steps; among those, the ones
   *not* waiting for a peer; a rank that did not answer counts as stuck). The stuck rank's error
   record carries its stack; ``failure.json`` (cause ``stalled``, first writer wins) names it.
@@ -60,6 +61,8 @@ WINDOW = 101
 #: ``check_interval`` <= 5 s) decides before a peer's collective times out (at 30 s, the least
 #: timeout: 22.5 + 2.25 s).
 COLLECTIVE_SHARE = 0.75
+#: A stalled rank waits for a live peer's verdict up to this many settle times (see :func:`live_undecided`).
+SETTLE_MAX_FACTOR = 3.0
 #: Seconds a main thread that failed while its watchdog ends the rank waits for that exit (a bound).
 PARK_S = 120.0
 #: Set once a watchdog of this process decided that its rank stalled (it will leave with STALL_EXIT_CODE).
@@ -124,6 +127,19 @@ def beat_interval(bound: float | None) -> float:
 def settle_time(bound: float | None) -> float:
     """Seconds a stalled rank waits for its peers' records before it decides (pure)."""
     return min(15.0, max(3.0, 3 * check_interval(bound)))
+
+
+def live_undecided(records: Mapping[int, Mapping[str, Any] | None], rank: int, now: float) -> bool:
+    """Whether a peer of ``rank`` has not said ``stalled`` yet but wrote its record lately (pure): within two
+    of its beat intervals and a second. A stopped or hung peer wrote last when it stopped, a bound or more
+    ago; a live one (its rank waiting in a collective) writes every beat interval."""
+    for r, rec in records.items():
+        if r == rank or not isinstance(rec, Mapping) or rec.get("state") == "stalled":
+            continue
+        age = now - float(rec.get("beat_time") or 0)
+        if age <= 2 * beat_interval(rec.get("bound_s")) + 1:
+            return True
+    return False
 
 
 def waiting_for_peers(frames: Sequence[str]) -> bool:
@@ -494,11 +510,18 @@ class ProgressWatch:
         frames, where = main_thread_frames()
         own = self.record("stalled", waiting=waiting_for_peers(frames), where=where, stack=dump_stacks())
         self._write(own)
-        deadline = time.monotonic() + (settle_time(self.bound()) if self.settle_s is None else self.settle_s)
+        settle = settle_time(self.bound()) if self.settle_s is None else self.settle_s
+        start = time.monotonic()
         records: dict[int, Any] = {}
-        while time.monotonic() < deadline:
+        while True:
             records = self.current_records()
             if all((records.get(r) or {}).get("state") == "stalled" for r in range(self.world_size)):
+                break
+            waited = time.monotonic() - start
+            # past the settle time, wait on (up to SETTLE_MAX_FACTOR x) only for a peer that is alive and yet to
+            # decide: a busy machine may run its watchdog late; a stopped or hung peer never writes again
+            if waited >= settle and (waited >= SETTLE_MAX_FACTOR * settle
+                                     or not live_undecided(records, self.rank, time.time())):
                 break
             time.sleep(0.2)
         records = self.current_records()
