@@ -35,10 +35,14 @@ SCRIPT = textwrap.dedent("""
     import json, os, socket, subprocess, time
     from pathlib import Path
 
+    segment = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    if segment > 0 and Path("./wait-for-edit").exists():   # the test's moment: the code changed before this import
+        while not Path("./edited").exists():
+            time.sleep(0.1)
+
     import helpers
 
     rank = int(os.environ["RANK"])
-    segment = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     n = int(Path("./data/n.txt").read_text())
     Path(f"./out-{segment}-rank{rank}.json").write_text(json.dumps(
         {"cwd": os.getcwd(), "file": __file__, "version": helpers.VERSION, "host": socket.gethostname()}))
@@ -98,6 +102,7 @@ def test_a_script_works_in_its_submit_folder_through_a_requeue_and_a_second_subm
                                                                                    tmp_path: Path) -> None:
     proj = _project(tmp_path / "proj")
     (proj / "requeue-me").write_text("")
+    (proj / "wait-for-edit").write_text("")  # the second segment imports its package only after the edit below
     job_id, run_dir = _submit(proj, "train.py", "--nodes", "2", "--ntasks-per-node", "1")
     deadline = time.monotonic() + WAIT_S
     while not (proj / "out-0-rank0.json").exists() or (proj / "requeue-me").exists():
@@ -105,6 +110,7 @@ def test_a_script_works_in_its_submit_folder_through_a_requeue_and_a_second_subm
         time.sleep(0.2)
     # the code changes while the job is requeued: its second segment still runs what was submitted
     (proj / "helpers" / "__init__.py").write_text("VERSION = 2\n")
+    (proj / "edited").write_text("")
     _wait(job_id, run_dir)
     first = [json.loads((proj / f"out-{seg}-rank{r}.json").read_text()) for seg in (0, 1) for r in (0, 1)]
     print(f"requeued job {job_id}: {first}")

@@ -298,9 +298,16 @@ def test_a_busy_script_is_not_stalled_and_an_idle_one_is() -> None:
         exits.append(code)
         done.set()
 
+    class _Returning:  # the main thread keeps returning to Python (the probe has its own tests): a 0.3-s wait
+        def post(self) -> None:  # for a CPU on a loaded machine must not read as "one C call past the bound"
+            pass
+
+        def silent_s(self) -> float:
+            return 0.0
+
     watch = _CountingWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
                            lambda stuck, recs, own: called.append(own), exit=leave, settle_s=0.0,
-                           busy_share=0.1, cpu_clock=clock)
+                           busy_share=0.1, cpu_clock=clock, probe=_Returning())
     for step in range(1, 6):  # armed before the thread starts: its first look is a tenth of the bound away
         watch.beat(step)
     watch.start()

@@ -114,7 +114,5 @@ def test_a_failing_segment_waits_for_its_own_write_only_and_writes_no_pt(tmp_pat
     assert ckpt.list_checkpoints(session.checkpoint_dir) == []
     never: Future[None] = Future()  # a write that hangs: the failing rank waits at most timeout_s
     session.save_after_shards(_state(6), 6, never)
-    t0 = time.perf_counter()
-    assert session.finish_shards(failed=True, timeout_s=0.05) is None
-    assert time.perf_counter() - t0 < 30
+    assert session.finish_shards(failed=True, timeout_s=0.05) is None  # returns (a hang would meet pytest's timeout)
     assert "the sharded checkpoint of step 6 was not completed (still writing after 0.05 s)" in capfd.readouterr().err
