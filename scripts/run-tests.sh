@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The full test suite, as `make test` runs it, in two phases that keep both cores busy:
 #   phase 1: the integration tier (CPU-bound: real gloo ranks) beside the "early" Slurm files (SLURM_EARLY), then
-#            the notebook's test (EARLY_BESIDE);
-#   phase 2: the rest of the Slurm tier beside the unit tier and then the "beside" integration files (BESIDE).
+#            the notebook's test (EARLY_BESIDE), then the unit tier;
+#   phase 2: the rest of the Slurm tier beside the "beside" integration files (BESIDE).
 #
 # Why this shape (issue 27, measured with tests/helpers/cpu_time.py's CPU seconds and each tier's "cores busy"):
 # the integration tier alone keeps the cores ~73 % busy; the Slurm tier alone ~45 %, its wall time mostly the
@@ -10,9 +10,11 @@
 # tiers side by side ran 1.9-2.5x slower each (2,103 s on a fresh CI machine), one after the other 1,881 s.
 # So each phase pairs CPU-bound work with wait-bound work: the Slurm files whose time is mostly waiting
 # (SLURM_EARLY: ~700 s of wall, little CPU) run beside the integration tier, and the Slurm files with more
-# CPU in their jobs (the pipeline's 8-rank ResNet-18 jobs, the published examples) beside the short unit tier and
-# the integration files that ask little CPU for their wall time (a CLI a test, a notebook kernel, users' scripts
-# through the shim, a made slow link or file system; ~400 CPU-s). The two Slurm runs never overlap (phase 2
+# CPU in their jobs (the pipeline's 8-rank ResNet-18 jobs, the published examples) beside the integration files
+# that ask little CPU for their wall time (a CLI a test, users' scripts through the shim, a made slow link or file
+# system; ~280 CPU-s). The early branch of phase 1 ended 54-128 s before the integration tier in three fresh runs
+# (at 650d9fe) while the unit tier, first in phase 2, kept the cores only 71-75 % busy: the unit tier (~55 CPU-s,
+# no process of its own beyond pytest) now fills the end of phase 1. The two Slurm runs never overlap (phase 2
 # starts when phase 1 has ended), so no test's jobs queue behind another run's. Each pytest run writes its own
 # log, printed whole when all have ended (never two runs' lines mixed); the suite fails if any run failed.
 # No test needs the machine to itself: a test whose verdict needs a condition (a slow link, a slow file system,
@@ -103,13 +105,14 @@ started=$(date +%s)
 ( tier integration tests/integration "${ignored[@]}" ) &
 pids+=($!)
 ( if [ ${#early[@]} -gt 0 ]; then tier early-slurm "${early[@]}"; else echo 0 >"$logs/early-slurm.rc"; fi
-  if [ ${#early_beside[@]} -gt 0 ]; then tier early-beside "${early_beside[@]}"; else echo 0 >"$logs/early-beside.rc"; fi ) &
+  if [ ${#early_beside[@]} -gt 0 ]; then tier early-beside "${early_beside[@]}"; else echo 0 >"$logs/early-beside.rc"; fi
+  tier unit tests/unit ) &
 pids+=($!)
 wait
 # phase 2
 ( tier slurm tests/slurm "${late_ignored[@]}" ) &
 pids+=($!)
-( tier unit tests/unit; if [ ${#beside[@]} -gt 0 ]; then tier beside "${beside[@]}"; else echo 0 >"$logs/beside.rc"; fi ) &
+( if [ ${#beside[@]} -gt 0 ]; then tier beside "${beside[@]}"; else echo 0 >"$logs/beside.rc"; fi ) &
 pids+=($!)
 wait
 

@@ -161,10 +161,15 @@ def test_a_live_peer_that_decides_late_is_waited_for_a_stopped_one_is_not() -> N
 
 def test_a_stalled_rank_waits_past_the_settle_time_for_a_peer_still_writing_its_record() -> None:
     """The condition is made: the peer (rank 1) keeps beating and says ``stalled`` (waiting in a collective)
-    only after 1.5 settle times, as a peer whose watchdog a busy machine runs late. Rank 0's watchdog waits for
-    that verdict instead of deciding on its own at the settle time (then rank 1 would be "did not answer")."""
+    only half a second after the settle time, as a peer whose watchdog a busy machine runs late. Rank 0's
+    watchdog waits for that verdict instead of deciding on its own at the settle time (then rank 1 would be
+    "did not answer")."""
     records, called, done = _Records(), [], threading.Event()
-    settle = 1.0  # the peer answers at 1.5 settle times: 1.5 s before rank 0's last wait (3 settle times) ends
+    # The peer answers at settle + 0.5 s = 3.5 s; rank 0's last wait (SETTLE_MAX_FACTOR settle times) ends at 9 s:
+    # 5.5 s of room for a late test thread (the peer's beats keep it "live" while it writes within 3 s).
+    settle = 3.0
+    answer_s = settle + 0.5
+    assert answer_s + 5 < pg.SETTLE_MAX_FACTOR * settle
 
     def on_stall(stuck: list[int], recs: dict[int, Any], own: dict[str, Any]) -> None:
         called.append((stuck, recs))
@@ -182,7 +187,7 @@ def test_a_stalled_rank_waits_past_the_settle_time_for_a_peer_still_writing_its_
         records.write(1, {**peer, "beat_time": time.time()})
         time.sleep(0.05)
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.5 * settle:  # alive, beating, not yet decided
+    while time.monotonic() - t0 < answer_s:  # alive, beating, not yet decided
         assert not done.is_set(), "rank 0 decided without its live peer's verdict"
         records.write(1, {**peer, "beat_time": time.time()})
         time.sleep(0.05)
