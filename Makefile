@@ -55,8 +55,9 @@ unit: setup
 
 # As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,EXTRAS,DATA,CONTAINER}=1 turn their skips into
 # failures (tests/conftest.py). scripts/run-tests.sh runs the integration tier beside the Slurm files that mostly
-# wait, then the other Slurm files beside the unit tier and the integration files that ask little CPU (each phase
-# pairs CPU-bound with wait-bound work), and prints each tier's log whole, with what was skipped.
+# wait (then the notebook's test and the unit tier), then the other Slurm files beside the integration files that
+# ask little CPU (each phase pairs CPU-bound with wait-bound work), and prints each tier's log whole, with what was
+# skipped.
 test: setup data slurm-up horovod container-image
 	$(PY) -m ruff check .
 	REQ=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0); \
