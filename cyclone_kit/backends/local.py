@@ -34,6 +34,7 @@ from cyclone_kit.backends.local_env import (
 from cyclone_kit.backends.plan import SubmissionPlan, run_dir_files
 from cyclone_kit.backends.srun_emulator import (
     GRACE_S,
+    STOP_GRACE_S,
     LaunchResult,
     failure_record,
     format_failure,
@@ -104,14 +105,16 @@ class LocalBackend:
     foreground = True  # the ranks run here; schedule returns when they have ended
 
     def __init__(self, *, echo: IO[str] | None = None, quiet: bool = False, grace_s: float = GRACE_S,
-                 threads: int | None = None, timeout_s: float | None = None,
+                 threads: int | None = None, timeout_s: float | None = None, stop_grace_s: float | None = None,
                  extra_env: Mapping[str, str] | None = None, fit_threads: bool = False) -> None:
         """``echo``: where rank 0's output goes (default stdout; ``quiet``: nowhere);
         ``threads``: torch threads per rank (default: this machine's cores shared evenly; ``fit_threads``:
         at most the job's CPUs per task, as a study's points get); ``timeout_s``: stop every rank after so
-        long; ``extra_env``: variables for every rank."""
+        long; ``stop_grace_s``: after an interrupt or the timeout, the ranks' time for their stop checkpoint
+        before SIGKILL (default :data:`STOP_GRACE_S`); ``extra_env``: variables for every rank."""
         self.echo: IO[str] | None = None if quiet else sys.stdout if echo is None else echo
         self.grace_s = grace_s
+        self.stop_grace_s = STOP_GRACE_S if stop_grace_s is None else stop_grace_s
         self.threads = threads
         self.timeout_s = timeout_s
         self.extra_env = dict(extra_env or {})
@@ -187,8 +190,8 @@ class LocalBackend:
         cause first, then records the submission (:meth:`record`)."""
         job = plan.job
         return launch(plan.run_dir, job.world_size, job.nodes, threads=int(plan.parameters["threads_per_rank"]),
-                      job_name=job.spec.name, echo=self.echo, grace_s=self.grace_s, command=plan.commands[0],
-                      cwd=plan.cwd, timeout_s=self.timeout_s, extra_env=plan.environment)
+                      job_name=job.spec.name, echo=self.echo, grace_s=self.grace_s, stop_grace_s=self.stop_grace_s,
+                      command=plan.commands[0], cwd=plan.cwd, timeout_s=self.timeout_s, extra_env=plan.environment)
 
     def run_here(self, plan: SubmissionPlan, *, echo: IO[str] | None = None) -> Finished:
         """Run ``plan`` until every rank has ended (rank 0's output to ``echo``), record it; how it went

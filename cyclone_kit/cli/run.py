@@ -34,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch threads per rank (default: this machine's cores / --nproc)")
     p.add_argument("--runs-dir", default="runs", help="where run directories are created (default: ./runs)")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this many seconds")
+    p.add_argument("--stop-grace", type=float, metavar="SECONDS",
+                   help="after Ctrl-C, SIGTERM or --timeout: seconds the ranks get to agree on a step and write "
+                   "their stop checkpoint before they are killed (default 30, Slurm's default KillWait); "
+                   "raise it for checkpoints that take longer to write")
     p.add_argument("--cpu", action="store_true", help="hide every GPU from the ranks (CUDA_VISIBLE_DEVICES=''); "
                    "needed when --nproc is larger than the number of GPUs here")
     p.add_argument("--quiet", action="store_true", help="do not echo rank 0's output")
@@ -63,6 +67,7 @@ def _backend(args: argparse.Namespace, job: ResolvedJob) -> LocalBackend:
     from cyclone_kit.backends.local import LocalBackend
 
     return LocalBackend(quiet=args.quiet, threads=job.cpus_per_task, timeout_s=args.timeout,
+                        stop_grace_s=args.stop_grace,
                         extra_env={**({"CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}), **resume_env(args)})
 
 
@@ -125,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValidationError(f"--{flag}={value} must be at least 1", hint=f"e.g. --{flag} 2")
     if args.timeout is not None and args.timeout <= 0:
         raise ValidationError(f"--timeout={args.timeout:g} must be positive", hint="e.g. --timeout 600")
+    if args.stop_grace is not None and not args.stop_grace > 0:  # `not >` also refuses nan
+        raise ValidationError(f"--stop-grace={args.stop_grace:g} must be positive", hint="e.g. --stop-grace 120")
     if args.restart_from_scratch and not args.resume:
         raise ValidationError("--restart-from-scratch is for --resume RUN_DIR",
                               hint="a new run starts at step 0 anyway; drop the flag or add --resume RUN_DIR")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cyclone_kit.rundir import contract
+from cyclone_kit.rundir import contract, failures
 from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.runtime.engine.data import DEBIAN_FASHION_MNIST
 from tests.helpers.ranks import (
@@ -211,6 +211,8 @@ def test_a_killed_rank_makes_the_other_exit_promptly_with_an_error_record(tmp_pa
     assert code0 not in (0, None) and code0 != -signal.SIGKILL, f"rank 0 exited {code0} after {took:.1f} s"
     record = json.loads((run / "ranks" / "error-rank-00000.json").read_text())
     assert record["rank"] == 0 and record["traceback"] and record["type"]
+    # The event behind "promptly": rank 0 saw its peer's connection go (not a timeout, not its own fault).
+    assert failures.peer_lost(record), (record["type"], record["message"])
     assert records(run)[-1]["status"] == "failed"
 
 

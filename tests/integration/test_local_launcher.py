@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_kit.backends.srun_emulator import FAILURE_FILE, LAUNCH_FILE, launch
+from cyclone_kit.backends.srun_emulator import FAILURE_FILE, LAUNCH_FILE, STOP_GRACE_S, launch
 from tests.helpers.cli import REPO
 from tests.helpers.slow_parts import hold_files, slow_parts_env
 
@@ -267,10 +267,38 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     print(f"launcher exited {exit_s:.2f} s after Ctrl-C; all ranks gone {doc['stop_s']} s after it")
 
 
+def test_stop_grace_is_the_time_a_stubborn_rank_gets_after_sigterm(tmp_path: Path) -> None:
+    """``run --stop-grace 1`` on a script that ignores SIGTERM, stopped by SIGTERM once it says it ignores it (an
+    event, not a delay): the launcher kills it 1 s after passing SIGTERM on, not after the default 30 s
+    (:data:`STOP_GRACE_S`): the flag reaches the launcher."""
+    script = tmp_path / "stubborn.py"
+    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      f"print('ignoring SIGTERM', flush=True)\ntime.sleep({LONG_S})\n")
+    runs = tmp_path / "runs"
+    proc = _run_cli("run", str(script), "--nproc", "1", "--runs-dir", str(runs), "--quiet", "--stop-grace", "1")
+    try:
+        wait_for(lambda: any("ignoring SIGTERM" in f.read_text() for f in runs.glob("*/logs/rank-0.out")),
+                 HANG_GUARD_S, "the script to ignore SIGTERM")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    doc = json.loads((_only_dir(runs) / FAILURE_FILE).read_text())
+    (rank,) = doc["ranks"]
+    assert doc["cause"] == "interrupted" and rank["stopped_by_launcher"] and rank["signal"] == "SIGKILL", doc
+    # The product's promise is a time: killed at the 1-s grace (seconds here), far below the 30-s default.
+    assert doc["stop_s"] < STOP_GRACE_S, doc
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--nproc", "3", "--nodes", "2"], "does not split evenly over --nodes=2"),
     (["--nproc", "0"], "--nproc=0 must be at least 1"),
     (["--threads", "0"], "--threads=0 must be at least 1"),
+    (["--stop-grace", "0"], "--stop-grace=0 must be positive"),
+    (["--stop-grace", "nan"], "--stop-grace=nan must be positive"),
 ])
 def test_run_refuses_bad_layouts_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     from tests.helpers.cli import run_cli

@@ -75,9 +75,9 @@ def last_step(run_dir: Path) -> int:
 class LocalRun:
     """``python -m cyclone_kit run jobs/smoke.toml --nproc 2`` in the background, killed on exit."""
 
-    def __init__(self, runs_dir: Path, *sets: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, runs_dir: Path, *sets: str, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         argv = [sys.executable, "-m", "cyclone_kit", "run", SMOKE, "--nproc", "2", "--threads", "1", "--quiet",
-                "--runs-dir", str(runs_dir)]
+                "--runs-dir", str(runs_dir), *args]
         for item in sets:
             argv += ["--set", item]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -135,8 +135,11 @@ def test_signal_to_local_run_checkpoints_stops_preempted_and_resumes(tmp_path: P
     total = SIGNALLED_STEPS
     # Both ranks wait after optimizer step 5 until the signal reached them: it lands mid-run, at any speed.
     holds = hold_files(tmp_path / "hold")
+    # --stop-grace at the hang guard: SIGTERM gives the ranks that long for the step, the agreement and the stop
+    # checkpoint before SIGKILL (30 s by default: seconds here, but a budget a 5x slower machine could eat).
     run = LocalRun(tmp_path, f"train.steps={total}", "train.log_every=1", "checkpoint.poll_s=0", *sets,
-                   env=slow_parts_env(tmp_path / "hold", hold_step=5, step_delay_s=STEP_FLOOR_S))
+                   env=slow_parts_env(tmp_path / "hold", hold_step=5, step_delay_s=STEP_FLOOR_S),
+                   args=("--stop-grace", str(TIMEOUT_S)))
     try:
         pids = run.wait_ranks()
         wait_for(lambda: holds.at(5, range(2)), TIMEOUT_S, "both ranks held after step 5")
