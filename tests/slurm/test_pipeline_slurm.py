@@ -1,9 +1,10 @@
 """The pipeline (issue 24) as real jobs on the local Slurm cluster across c1 and c2, requeued once.
 
-Two ResNet-18 (32 px) jobs at once, 2 nodes x 2 tasks each: a pipeline of 4 stages (GPipe) and a
-2 x 2 layout (2 stages x 2 replicas, 1F1B). As in test_requeue.py, every rank of a job waits after
-optimizer step HOLD_STEP (tests/helpers/slow_parts.py) until the test's requeue signal has reached
-it (``scancel --signal=USR2``, what ``#SBATCH --signal`` does), so the signal lands mid-run at any
+Two ResNet-18 (16 px, 6 steps: the stages, layouts and requeue are what is tested, not the model's
+work) jobs at once, 2 nodes x 2 tasks each: a pipeline of 4 stages (GPipe) and a 2 x 2 layout
+(2 stages x 2 replicas, 1F1B). As in test_requeue.py, every rank of a job waits after optimizer
+step HOLD_STEP (tests/helpers/slow_parts.py) until the test's requeue signal has reached it
+(``scancel --signal=USR2``, what ``#SBATCH --signal`` does), so the signal lands mid-run at any
 machine speed: each checkpoints with torch.distributed.checkpoint, requeues, resumes
 on the recorded split and completes; every optimizer step appears exactly once. The scaling
 report over both runs then shows the bubble per stage against (P-1)/(M+P-1) and the balance.
@@ -27,12 +28,12 @@ HANG_S = 1200
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2 * HANG_S)]
 
-STEPS = 8
+STEPS = 6
 #: every rank of the first segment waits after this optimizer step until the signal reached it
 HOLD_STEP = 2
 RANKS = range(4)
 COMMON = ("--nodes", "2", "--ntasks-per-node", "2", "--time", "20")
-SETS = ("train.strategy=pipeline", "train.model=resnet18", "train.image_size=32", "train.batch_size=8",
+SETS = ("train.strategy=pipeline", "train.model=resnet18", "train.image_size=16", "train.batch_size=8",
         "train.microbatches=4", "train.log_every=1", f"train.steps={STEPS}", "train.val_samples=16",
         "checkpoint.poll_s=0")
 LAYOUTS = {"4 stages": ("train.pipeline_stages=4", "train.pipeline_schedule=gpipe"),
