@@ -1,6 +1,8 @@
-"""CUDA-path fixes of issue 24 that a CPU can show, in real processes: Horovod with channels_last forced
-(gloo, 2 ranks under horovodrun), FSDP2 with a MixedPrecisionPolicy (gloo, 2 ranks), fused SGD where
-it is valid, and ck.log_step's clock read after the loss sync."""
+"""CUDA-path fixes of issues 16 and 24 that a CPU can show, in real processes: Horovod with channels_last
+forced and Horovod's fp16 all-reduce under a GradScaler (one horovodrun of 2 gloo ranks for both,
+``horovod_pair``), ck.log_step's clock read after the loss sync, the run refusing more ranks than GPUs, and
+FSDP2 + torch.compile + bf16 through the runtime. (FSDP2's MixedPrecisionPolicy and fused SGD:
+tests/integration/test_cuda_paths.py.)"""
 
 from __future__ import annotations
 
@@ -9,141 +11,142 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers.child_ranks import RANK_TIMEOUT_S, child_env, run_child_ranks
+from tests.helpers.child_ranks import RANK_TIMEOUT_S, child_env
+from tests.helpers.ranks import REPO, horovod_missing
 
 #: Hang guard of the compile run (not a performance bound): a cold torch.compile of TinyCNN under FSDP
 #: takes ~30-60 s per rank on a quiet 2-core machine, several minutes at a load of 40.
 COMPILE_HANG_S = 1200
 
-HVD_CHANNELS_LAST = r"""
+#: One horovodrun of 2 ranks for both Horovod tests (issue 27: was 4 horovodruns, 8 rank starts). Each part
+#: has its own model and names; the old channels_last order goes last, since the first rank to raise shuts
+#: Horovod down. Each rank writes one JSON file with every part's result.
+HVD_PAIR = r"""
 import json, sys
 import torch
 import torch.nn.functional as F
 import horovod.torch as hvd
+from cyclone_kit.config.job import TrainConfig
 from cyclone_kit.runtime.dist import DeviceChoice
 from cyclone_kit.runtime.engine.models import build_model
-from cyclone_kit.runtime.engine.dataparallel import make_optimizer, place_model, strategy_for, wrap_model
-from cyclone_kit.config.job import TrainConfig
+from cyclone_kit.runtime.engine.dataparallel import (make_optimizer, optimizer_step, place_model, strategy_for,
+                                                     wrap_model)
 
-mode, out = sys.argv[1], sys.argv[2]
+out = sys.argv[1]
 hvd.init()
 torch.set_num_threads(1)
-torch.manual_seed(hvd.rank())  # a different start on each rank: the broadcast must make them one
-model = build_model("tiny_cnn", 10, 32, 3)
-cpu, tc = DeviceChoice("cpu", None, "cpu", "gloo"), TrainConfig(strategy="horovod")
 result = {}
-if mode == "old":  # what train() did before: every conv weight channels_last, then Horovod's broadcast
-    model = model.to(memory_format=torch.channels_last)
-    try:
-        wrap_model("horovod", model, cpu, tc, True)
-    except Exception as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-else:
-    model = place_model(model, torch.device("cpu"), "horovod", True)  # channels_last forced, as on CUDA
-    model = wrap_model("horovod", model, cpu, tc, True)
-    opt = strategy_for("horovod").optimizer(make_optimizer(model, 0.1, tc, fused=False), model, tc)
+
+
+def fp16_allreduce_update(mode):
+    # loss scale 65536 and fp16 compression: the SGD(lr=1) update over the ranks' mean unscaled gradient
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8)
+    named = [(f"{mode}.{n}", p) for n, p in model.named_parameters()]
+    start = {n: p.detach().clone() for n, p in named}
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=named,
+                                   compression=hvd.Compression.fp16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
     g = torch.Generator().manual_seed(hvd.rank())
-    x = torch.randn(8, 3, 32, 32, generator=g).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (8,), generator=g)
-    for _ in range(3):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    both = hvd.allgather(flat.unsqueeze(0))
-    result.update(loss=float(loss), same=bool(torch.equal(both[0], both[1])),
-                  out_channels_last=bool(model.features[0](x).is_contiguous(memory_format=torch.channels_last)))
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 8, (32,), generator=g)
+    loss = F.cross_entropy(model(x), y)
+    # the gradient each rank would have without scaling, averaged over ranks: the update SGD(lr=1) must make
+    ref = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    mean = [hvd.allreduce(r, name=f"{mode}.ref{i}") for i, r in enumerate(ref)]
+    scaler.scale(loss).backward()
+    if mode == "old":  # the engine before issue 16: GradScaler's step straight on Horovod's optimizer
+        scaler.step(opt)
+        scaler.update()
+    else:
+        optimizer_step(opt, scaler, horovod=True)
+    ratios = [float(((start[n] - p.detach()).abs().sum() / m.abs().sum())) for (n, p), m in zip(named, mean)]
+    return {"ratios": ratios, "scale": scaler.get_scale()}
+
+
+result["fp16"] = {mode: fp16_allreduce_update(mode) for mode in ("new", "old")}
+
+# channels_last forced, as on CUDA: the weights stay contiguous, the inputs are NHWC
+torch.manual_seed(hvd.rank())  # a different start on each rank: the broadcast must make them one
+cpu, tc = DeviceChoice("cpu", None, "cpu", "gloo"), TrainConfig(strategy="horovod")
+model = place_model(build_model("tiny_cnn", 10, 32, 3), torch.device("cpu"), "horovod", True)
+model = wrap_model("horovod", model, cpu, tc, True)
+opt = strategy_for("horovod").optimizer(make_optimizer(model, 0.1, tc, fused=False), model, tc)
+g = torch.Generator().manual_seed(hvd.rank())
+x = torch.randn(8, 3, 32, 32, generator=g).to(memory_format=torch.channels_last)
+y = torch.randint(0, 10, (8,), generator=g)
+for _ in range(3):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+both = hvd.allgather(flat.unsqueeze(0))
+result["nhwc_new"] = dict(loss=float(loss), same=bool(torch.equal(both[0], both[1])),
+                          out_channels_last=bool(model.features[0](x).is_contiguous(memory_format=torch.channels_last)))
+
+# what train() did before: every conv weight channels_last, then Horovod's broadcast (last: it shuts Horovod down)
+torch.manual_seed(hvd.rank())
+model = build_model("tiny_cnn", 10, 32, 3).to(memory_format=torch.channels_last)
+result["nhwc_old_error"] = ""
+try:
+    wrap_model("horovod", model, cpu, tc, True)
+except Exception as e:
+    result["nhwc_old_error"] = f"{type(e).__name__}: {e}"
 json.dump(result, open(f"{out}-{hvd.rank()}.json", "w"))
 """
 
 
+@pytest.fixture(scope="module")
+def horovod_pair(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Each rank's results of HVD_PAIR under one horovodrun (it exited 0)."""
+    missing = horovod_missing()
+    if missing:
+        pytest.skip(f"Horovod not importable: {missing}")
+    root = tmp_path_factory.mktemp("horovod-pair")
+    child = root / "child.py"
+    child.write_text(HVD_PAIR)
+    horovodrun = str(Path(sys.executable).parent / "horovodrun")
+    env = child_env(HOROVOD_GLOO_TIMEOUT_SECONDS="120", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, horovodrun, "--gloo", "--start-timeout", "120", "-np", "2", "-H", "localhost:2",
+           "--network-interfaces", "lo", sys.executable, str(child), str(root / "r")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((root / f"r-{r}.json").read_text()) for r in range(2)]
+
+
 @pytest.mark.slow
-def test_horovod_trains_with_channels_last_inputs_where_channels_last_weights_failed(tmp_path: Path) -> None:
-    """Item 1: with channels_last on (the CUDA default), the old placement made Horovod's first
+def test_horovod_trains_with_channels_last_inputs_where_channels_last_weights_failed(
+        horovod_pair: list[dict[str, Any]]) -> None:
+    """Issue 24 item 1: with channels_last on (the CUDA default), the old placement made Horovod's first
     broadcast raise "Tensor is required to be contiguous." (on one rank at least: the other may see
     Horovod shut down by it); now the weights stay contiguous, the convolutions still run
     channels_last, and 3 DistributedOptimizer steps leave both ranks equal."""
-    try:
-        import horovod.torch  # noqa: F401
-    except Exception as exc:
-        pytest.skip(f"Horovod not importable ({type(exc).__name__}: {exc}); build it with make horovod")
-    child = tmp_path / "child.py"
-    child.write_text(HVD_CHANNELS_LAST)
-    horovodrun = str(Path(sys.executable).parent / "horovodrun")
-    env = child_env(HOROVOD_GLOO_TIMEOUT_SECONDS="120")
-    results = {}
-    for mode in ("old", "new"):
-        cmd = [sys.executable, horovodrun, "--gloo", "--start-timeout", "120", "-np", "2", "-H", "localhost:2",
-               "--network-interfaces", "lo", sys.executable, str(child), mode, str(tmp_path / mode)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        results[mode] = [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(2)]
     # Horovod's first rank to raise shuts Horovod down: the other may see that shutdown, not the cause.
-    errors = [r.get("error", "") for r in results["old"]]
+    errors = [r["nhwc_old_error"] for r in horovod_pair]
     assert any("Tensor is required to be contiguous" in e for e in errors), errors
     assert all("Tensor is required to be contiguous" in e or e.startswith("HorovodInternalError") for e in errors), errors
-    for r in results["new"]:
+    for r in (rank["nhwc_new"] for rank in horovod_pair):
         assert r["same"] and r["out_channels_last"] and r["loss"] == r["loss"], r  # equal ranks, NHWC, not NaN
 
 
-FSDP_MIXED = r"""
-import datetime, json, sys
-import torch, torch.distributed as dist
-import torch.nn.functional as F
-from cyclone_kit.runtime.dist import DeviceChoice
-from cyclone_kit.runtime.engine.models import build_model
-from cyclone_kit.runtime.engine.dataparallel import make_optimizer, place_model, wrap_model
-from cyclone_kit.config.job import TrainConfig
-
-rank, port, precision, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=120))
-torch.manual_seed(0)
-cpu, tc = DeviceChoice("cpu", None, "cpu", "gloo"), TrainConfig(strategy="fsdp", precision=precision)
-model = wrap_model("fsdp", place_model(build_model("tiny_cnn", 10, 32, 3), torch.device("cpu"), "fsdp", True), cpu, tc, True)
-seen = []
-model.features[0].register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))
-try:  # fused SGD on FSDP2's DTensor parameters (why use_fused_sgd says no to FSDP)
-    fused = make_optimizer(model, 0.1, tc, fused=True)
-    F.cross_entropy(model(torch.randn(2, 3, 32, 32)).float(), torch.arange(2)).backward()
-    fused.step()
-    fused_error = None
-except NotImplementedError as e:
-    fused_error = str(e)
-model.zero_grad(set_to_none=True)
-opt = make_optimizer(model, 0.1, tc, fused=False)
-g = torch.Generator().manual_seed(rank)
-x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
-losses = []
-for _ in range(3):
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        loss = F.cross_entropy(model(x).float(), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    losses.append(float(loss))
-sharded = sorted({str(p.dtype) for p in model.parameters()})
-json.dump({"forward": sorted(set(seen)), "sharded": sharded, "losses": losses, "fused_error": fused_error},
-          open(f"{out}-{rank}.json", "w"))
-dist.barrier()
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
-def test_fsdp2_computes_in_bf16_and_keeps_fp32_shards(tmp_path: Path) -> None:
-    """Likely item: FSDP2 gets a MixedPrecisionPolicy (bf16 here; fp16 below cc 8.0 on CUDA), so the
-    unsharded parameters (and the all-gathers and reduce-scatters) are bf16 while the shards and
-    the optimizer stay fp32 (fp32 runs keep no policy: tests/unit). Fused SGD is refused by DTensor."""
-    run_child_ranks(FSDP_MIXED, 2, "bf16", str(tmp_path / "r"))
-    for r in (json.loads((tmp_path / f"r-{k}.json").read_text()) for k in range(2)):
-        assert r["forward"] == ["torch.bfloat16"] and r["sharded"] == ["torch.float32"], r
-        assert all(loss == loss for loss in r["losses"]), r  # finite training
-        assert r["fused_error"] and "_fused_sgd_" in r["fused_error"], r
+def test_horovod_fp16_allreduce_with_a_grad_scaler_updates_by_the_unscaled_mean_gradient(
+        horovod_pair: list[dict[str, Any]]) -> None:
+    """Issue 16 item 3, Horovod on CPU (gloo, 2 ranks): loss scale 65536 and fp16 compression; with
+    synchronize -> unscale_ -> step under skip_synchronize, the SGD(lr=1) update equals the
+    ranks' mean unscaled gradient on both ranks (the old order gives a wrong update)."""
+    new, old = ([rank["fp16"][mode] for rank in horovod_pair] for mode in ("new", "old"))
+    for rank in new:
+        assert rank["ratios"] == pytest.approx([1.0, 1.0], rel=2e-3), rank  # fp16 rounding of the all-reduce
+    assert new[0] == new[1]
+    print("old order, update / mean gradient:", [r["ratios"] for r in old])
+    # before: unscale_ ran before Horovod wrote the all-reduced (still scaled) gradients: 65536x too large
+    for rank in old:
+        assert rank["ratios"] == pytest.approx([2.0**16, 2.0**16], rel=1e-2), rank
 
 
 LOG_STEP_BEHIND = r"""
@@ -167,7 +170,7 @@ ck.finish()
 
 
 def test_log_step_stops_the_window_clock_after_the_loss_sync(tmp_path: Path) -> None:
-    """Item 3: each window's time includes the wait for the device (the loss read); before, the
+    """Issue 24 item 3: each window's time includes the wait for the device (the loss read); before, the
     clock was read first, so the first window measured only how far the host ran ahead (0.03 s
     instead of >= 0.15 s per step here) and every later one carried its predecessor's wait."""
     script = tmp_path / "script.py"
