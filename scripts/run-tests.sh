@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The full test suite, as `make test` runs it, in two phases that keep both cores busy:
-#   phase 1: the integration tier (CPU-bound: real gloo ranks) beside the "early" Slurm files (SLURM_EARLY), then
-#            the notebook's test (EARLY_BESIDE), then the unit tier;
+#   phase 1: the integration tier (CPU-bound: real gloo ranks) beside the "early" Slurm files (SLURM_EARLY); the
+#            notebook's test (EARLY_BESIDE) and then the unit tier, each in whichever of the two is free first;
 #   phase 2: the rest of the Slurm tier beside the "beside" integration files (BESIDE).
 #
 # Why this shape (issue 27, measured with tests/helpers/cpu_time.py's CPU seconds and each tier's "cores busy"):
@@ -14,7 +14,8 @@
 # that ask little CPU for their wall time (a CLI a test, users' scripts through the shim, a made slow link or file
 # system; ~280 CPU-s). The early branch of phase 1 ended 54-128 s before the integration tier in three fresh runs
 # (at 650d9fe) while the unit tier, first in phase 2, kept the cores only 71-75 % busy: the unit tier (~55 CPU-s,
-# no process of its own beyond pytest) now fills the end of phase 1. The two Slurm runs never overlap (phase 2
+# no process of its own beyond pytest) now fills the end of phase 1 with the notebook's test, in the stream that
+# ends its own files first. The two Slurm runs never overlap (phase 2
 # starts when phase 1 has ended), so no test's jobs queue behind another run's. Each pytest run writes its own
 # log, printed whole when all have ended (never two runs' lines mixed); the suite fails if any run failed.
 # No test needs the machine to itself: a test whose verdict needs a condition (a slow link, a slow file system,
@@ -100,13 +101,21 @@ tier() {  # tier NAME PATH...: one pytest run, its output in NAME.log and its ex
          >"$logs/$name.end"
 }
 
+# The end of phase 1: the notebook's test, then the unit tier, each taken by whichever stream of phase 1 is free
+# first (mkdir claims it: atomic), so that a machine on which one stream runs late does not leave the other idle.
+flex() {
+    if mkdir "$logs/claim-early-beside" 2>/dev/null; then
+        if [ ${#early_beside[@]} -gt 0 ]; then tier early-beside "${early_beside[@]}"
+        else echo 0 >"$logs/early-beside.rc"; fi
+    fi
+    if mkdir "$logs/claim-unit" 2>/dev/null; then tier unit tests/unit; fi
+}
+
 started=$(date +%s)
 # phase 1 (in the background, so that a stop from outside is acted on at once)
-( tier integration tests/integration "${ignored[@]}" ) &
+( tier integration tests/integration "${ignored[@]}"; flex ) &
 pids+=($!)
-( if [ ${#early[@]} -gt 0 ]; then tier early-slurm "${early[@]}"; else echo 0 >"$logs/early-slurm.rc"; fi
-  if [ ${#early_beside[@]} -gt 0 ]; then tier early-beside "${early_beside[@]}"; else echo 0 >"$logs/early-beside.rc"; fi
-  tier unit tests/unit ) &
+( if [ ${#early[@]} -gt 0 ]; then tier early-slurm "${early[@]}"; else echo 0 >"$logs/early-slurm.rc"; fi; flex ) &
 pids+=($!)
 wait
 # phase 2
