@@ -2,7 +2,8 @@
 # The full test suite, as `make test` runs it, in two phases that keep both cores busy:
 #   phase 1: the integration tier (CPU-bound: real gloo ranks) beside the "early" Slurm files (SLURM_EARLY); the
 #            notebook's test (EARLY_BESIDE) and then the unit tier, each in whichever of the two is free first;
-#   phase 2: the rest of the Slurm tier beside the "beside" integration files (BESIDE).
+#   phase 2: the rest of the Slurm tier beside the "beside" integration files (BESIDE), the last of which
+#            (BESIDE_LATE) run in whichever of the two is free first.
 #
 # Why this shape (issue 27, measured with tests/helpers/cpu_time.py's CPU seconds and each tier's "cores busy"):
 # the integration tier alone keeps the cores ~73 % busy; the Slurm tier alone ~45 %, its wall time mostly the
@@ -30,7 +31,7 @@ logs=$(mktemp -d "${TMPDIR:-/tmp}/cyclone-tests.XXXXXX")
 # --durations: wall time per test (grows with what runs beside it); tests.helpers.cpu_time: CPU seconds per test
 # file (the work each asks of the machine, the same at any load), printed at each tier's end.
 common=(-q -ra -p no:cacheprovider -p tests.helpers.cpu_time --durations=40 "$@")
-TIERS=(integration early-slurm early-beside slurm unit beside)
+TIERS=(integration early-slurm early-beside slurm unit beside beside-late)
 # Integration files that run beside the Slurm tier instead of before it (each asserts no timing).
 BESIDE=(test_bad_input test_scripts_local test_script_launch_env test_published_lightning
         test_script_folder_local test_script_cli test_report_cli test_cli test_doctor_cli test_submitit_plan
@@ -39,9 +40,12 @@ BESIDE=(test_bad_input test_scripts_local test_script_launch_env test_published_
 # Slurm files that run beside the integration tier (phase 1): their time is mostly the scheduler's waits.
 SLURM_EARLY=(test_requeue test_stall_slurm test_restart_in_job test_api_slurm test_sweep_slurm test_faults
              test_container_slurm test_concurrency test_cost_slurm test_status_logs)
-# Integration files that run in phase 1 after the early Slurm files (which end before the integration tier).
+# Integration files that end phase 1 (in whichever stream is free first).
 EARLY_BESIDE=(test_notebook)
-beside=() ignored=() early=() late_ignored=() early_beside=()
+# BESIDE files that end phase 2 (~100 s of its ~350-410 s), in whichever stream is free first: the Slurm tier or
+# the other BESIDE files. They start no Slurm job, so they may also run beside the rest of BESIDE.
+BESIDE_LATE=(test_bad_input test_sweep_local test_local_plan)
+beside=() ignored=() early=() late_ignored=() early_beside=() beside_late=()
 for f in "${EARLY_BESIDE[@]}"; do
     if [ -f "tests/integration/$f.py" ]; then
         early_beside+=("tests/integration/$f.py") ignored+=("--ignore=tests/integration/$f.py")
@@ -49,7 +53,9 @@ for f in "${EARLY_BESIDE[@]}"; do
 done
 for f in "${BESIDE[@]}"; do
     if [ -f "tests/integration/$f.py" ]; then   # a file renamed or removed is not an error of the suite
-        beside+=("tests/integration/$f.py") ignored+=("--ignore=tests/integration/$f.py")
+        ignored+=("--ignore=tests/integration/$f.py")
+        if [[ " ${BESIDE_LATE[*]} " == *" $f "* ]]; then beside_late+=("tests/integration/$f.py")
+        else beside+=("tests/integration/$f.py"); fi
     fi
 done
 for f in "${SLURM_EARLY[@]}"; do
@@ -119,9 +125,15 @@ pids+=($!)
 pids+=($!)
 wait
 # phase 2
-( tier slurm tests/slurm "${late_ignored[@]}" ) &
+late() {  # the end of phase 2, as flex() ends phase 1
+    if mkdir "$logs/claim-beside-late" 2>/dev/null; then
+        if [ ${#beside_late[@]} -gt 0 ]; then tier beside-late "${beside_late[@]}"
+        else echo 0 >"$logs/beside-late.rc"; fi
+    fi
+}
+( tier slurm tests/slurm "${late_ignored[@]}"; late ) &
 pids+=($!)
-( if [ ${#beside[@]} -gt 0 ]; then tier beside "${beside[@]}"; else echo 0 >"$logs/beside.rc"; fi ) &
+( if [ ${#beside[@]} -gt 0 ]; then tier beside "${beside[@]}"; else echo 0 >"$logs/beside.rc"; fi; late ) &
 pids+=($!)
 wait
 
