@@ -282,6 +282,24 @@ def init_process_group(env: DistEnv, device: DeviceChoice, timeout_s: int, backe
 _SIDE: list[Any] = []
 
 
+def group_timeout_s(kind: str) -> float | None:
+    """The timeout (seconds) of the default process group's backend for device ``kind`` (``"cpu"`` or
+    ``"cuda"``): what a group the script made (torchrun + ``init_process_group``, Lightning, Accelerate) waits
+    in a collective before it fails. None when no group exists or torch does not say (the backend's options
+    are torch's private API: gloo's and NCCL's ``options._timeout`` in torch 2.x)."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.distributed_c10d._get_default_group()
+        seconds = group._get_backend(torch.device(kind)).options._timeout.total_seconds()
+    except Exception:  # a torch without these private members, or no backend for the device: unknown
+        return None
+    return float(seconds) if seconds > 0 else None
+
+
 def side_group() -> Any:
     """A gloo group over all ranks for host-side collectives (barriers while rank 0 writes a
     checkpoint, object gathers): the world group itself when it is gloo, else the gloo group

@@ -36,7 +36,15 @@ from typing import Any
 from cyclone_kit.config.job import CheckpointConfig
 from cyclone_kit.core.errors import CommandError, DiskFullError, ResumeRefused, TrainingDiverged, ValidationError
 from cyclone_kit.runtime import metrics as mx
-from cyclone_kit.runtime.dist import DeviceChoice, init_process_group, probe_device, setup_threads, side_group, warn
+from cyclone_kit.runtime.dist import (
+    DeviceChoice,
+    group_timeout_s,
+    init_process_group,
+    probe_device,
+    setup_threads,
+    side_group,
+    warn,
+)
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.signals import NONE, StopAgreement, StopFlag, catch_stop_signals, requeue, should_requeue, under_slurm
 from cyclone_kit.runtime.watchers.stall import END_TIME_VAR, STEPWATCH_VAR, collective_timeout
@@ -59,8 +67,9 @@ class Session:
         host: this rank's node name.
         hostnames: every rank's node, deduplicated in rank order.
         t_start: ``time.perf_counter()`` at the start of the segment.
-        pg_timeout_s: the timeout of the process group the session created (None: a world of one, or a
-            group the script made), which the progress watchdog's bound stays below.
+        pg_timeout_s: the timeout of the process group's collectives (the group the session created, or the
+            one the script made as torch reports it; None: a world of one, or unknown), which the progress
+            watchdog's bound stays below.
     """
 
     env: DistEnv
@@ -579,7 +588,8 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
     session = Session(env=env, environ=environ, run_dir=Path(run_dir), cc=cc, stop_flag=stop_flag, device=device,
                       distributed=env.is_distributed, owns_group=owns, threads=threads, host=host,
                       hostnames=gather_hosts(host, env.is_distributed), t_start=t_start,
-                      pg_timeout_s=pg_timeout_s if owns and env.is_distributed else None)
+                      pg_timeout_s=(pg_timeout_s if owns else group_timeout_s(device.kind))
+                      if env.is_distributed else None)
     session.agreement = StopAgreement(stop_flag, env.is_distributed, interval_s=cc.poll_s)
     return session
 

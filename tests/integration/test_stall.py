@@ -243,3 +243,34 @@ def test_a_plain_script_computing_between_steps_past_the_bound_is_not_stalled(tm
     progress = [json.loads(p.read_text()) for p in sorted((run_dir / "progress").glob("rank-*.json"))]
     assert [(p["state"], p["step"]) for p in progress] == [("ended", 10), ("ended", 10)], progress
     assert all(p["bound_s"] == floor_s for p in progress), progress
+
+
+#: Two ranks of a script that makes its own process group (40-s timeout) before ``ck.init()``; each prints the
+#: ceiling its progress watchdog recorded.
+OWN_GROUP = """
+import datetime, json, os, sys
+from pathlib import Path
+import torch.distributed as dist
+rank, port, run_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=40))
+import cyclone_kit as ck
+ck.init(run_dir)
+for step in range(1, 4):
+    ck.log_step(step, samples=2)
+record = json.loads(Path(run_dir, "progress", f"rank-{rank:05d}.json").read_text())
+print("CEILING", record["ceiling_s"], flush=True)
+ck.finish()
+dist.destroy_process_group()
+"""
+
+
+def test_the_bound_stays_below_the_timeout_of_a_group_the_script_made(tmp_path: Path) -> None:
+    """A script that calls ``init_process_group`` itself (torchrun + a plain script, Lightning, Accelerate) gets
+    the same ceiling as the engine's group: 0.75 x the timeout torch reports for it (40 s here), so that its
+    peers' collectives do not time out before a stopped rank is named."""
+    from tests.helpers.child_ranks import run_child_ranks
+
+    outs = run_child_ranks(OWN_GROUP, 2, str(tmp_path / "run"))
+    assert all("CEILING 30.0" in out for out in outs), outs
