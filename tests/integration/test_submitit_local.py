@@ -32,9 +32,29 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_local_executor_trains_two_ranks(tmp_path: Path) -> None:
-    job, run_dir = _prepare(tmp_path, steps=10, log_every=5)
-    job_id = SubmititBackend(executor="local").submit_run(job, run_dir)
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, list[Path]]:
+    """One ``submit --backend submitit`` run on the local executor (2 ranks) that two tests assert on (issue 27)."""
+    runs = tmp_path_factory.mktemp("submitit-cli")
+    result = run_cli("submit", str(REPO / "jobs" / "smoke.toml"), "--backend", "submitit", "--runs-dir",
+                     str(runs), "--set", "train.steps=5", timeout=240,
+                     env={"CYCLONE_SUBMITIT_EXECUTOR": "local", "PATH": os.environ["PATH"]})
+    run_dirs = [p for p in runs.iterdir() if p.is_dir()]
+    return result, run_dirs
+
+
+def _the_run(cli_run: tuple[object, list[Path]]) -> Path:
+    result, run_dirs = cli_run
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = run_dirs
+    return run_dir
+
+
+def test_local_executor_trains_two_ranks(cli_run: tuple[object, list[Path]]) -> None:
+    # the local executor's own records, on the CLI's run below (submit_run's local path also runs in
+    # test_local_executor_failure_raises_rank_failure)
+    run_dir = _the_run(cli_run)
+    job_id = (run_dir / "job_id").read_text().strip()
     assert job_id.isdigit() and (run_dir / "submitit_job").read_text().strip() == job_id
     records = _records(run_dir)
     start = next(r for r in records if r["kind"] == "start")
@@ -59,11 +79,7 @@ def test_local_executor_refuses_several_nodes(tmp_path: Path) -> None:
         SubmititBackend(executor="local").submit_run(dataclasses.replace(job, nodes=2), run_dir)
 
 
-def test_submit_cli_with_the_local_submitit_executor(tmp_path: Path) -> None:
-    result = run_cli("submit", str(REPO / "jobs" / "smoke.toml"), "--backend", "submitit", "--runs-dir",
-                     str(tmp_path), "--set", "train.steps=5", timeout=240,
-                     env={"CYCLONE_SUBMITIT_EXECUTOR": "local", "PATH": os.environ["PATH"]})
-    assert result.returncode == 0, result.stderr
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+def test_submit_cli_with_the_local_submitit_executor(cli_run: tuple[object, list[Path]]) -> None:
+    run_dir = _the_run(cli_run)
     assert (run_dir / "backend").read_text().strip() == "submitit"
     assert next(r for r in _records(run_dir) if r["kind"] == "start")["world_size"] == 2
