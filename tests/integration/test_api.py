@@ -105,18 +105,33 @@ def test_ddp_ck_without_any_launcher_runs_as_world_one(tmp_path: Path) -> None:
     assert_phases_add_up([{**s, "data_time_s": 0.0} for s in steps], communication=False)
 
 
-def test_two_ranks_write_the_contract_that_report_reads(tmp_path: Path) -> None:
-    run_dir = make_run_dir(tmp_path / "run", {"train": {"log_every": 5}})
-    finish(launcher(run_dir, 2, "--steps", "20", "--batch-size", "32"), run_dir)
+#: The spec and ddp_ck.py arguments of the requeue test's runs; its uninterrupted reference (2 ranks under the
+#: local launcher) is also the run whose records ``cyclone-kit report`` reads: one run, two tests.
+REQUEUE_TOTAL = 30  # the stop comes at step 5-10 (asserted): the resumed segment runs 20-25 steps
+REQUEUE_SPEC = {"train": {"log_every": 1}, "checkpoint": {"poll_s": 0, "keep": 2}}
+REQUEUE_ARGS = ("--steps", str(REQUEUE_TOTAL), "--batch-size", "16")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ddp_ck.py on 2 ranks under the local launcher, never signalled: the contract ``report`` reads, and
+    the uninterrupted trajectory the requeued run must follow."""
+    run_dir = make_run_dir(tmp_path_factory.mktemp("api") / "reference", REQUEUE_SPEC)
+    finish(launcher(run_dir, 2, *REQUEUE_ARGS), run_dir)
+    return run_dir
+
+
+def test_two_ranks_write_the_contract_that_report_reads(two_rank_run: Path, tmp_path: Path) -> None:
+    run_dir = two_rank_run
     start = records(run_dir, "start")[0]
-    assert (start["world_size"], start["per_device_batch_size"], start["global_batch_size"]) == (2, 32, 64)
+    assert (start["world_size"], start["per_device_batch_size"], start["global_batch_size"]) == (2, 16, 32)
     assert start["launcher"] == "local" and start["strategy"] == "script" and start["model"] == "ddp_ck"
-    assert [s["step"] for s in records(run_dir, "step")] == [5, 10, 15, 20]
+    assert [s["step"] for s in records(run_dir, "step")] == list(range(1, REQUEUE_TOTAL + 1))  # log_every 1
     # ck.instrument's comm hook on ddp_ck.py's DDP model: every bucket's all-reduce timed.
     assert (start["phase_timing"], start["comm_timing"]) == ("host-clock", "ddp-comm-hook")
     assert_phases_add_up([{**s, "data_time_s": 0.0} for s in records(run_dir, "step")], communication=True)
     (end,) = records(run_dir, "end")
-    assert end["status"] == "completed" and end["steps"] == 20 and end["samples_per_s"] > 0
+    assert end["status"] == "completed" and end["steps"] == REQUEUE_TOTAL and end["samples_per_s"] > 0
     assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == ["rank-00000.json", "rank-00001.json"]
     assert not (run_dir / "checkpoints").exists(), "no stop, no checkpoint"
 
@@ -126,7 +141,7 @@ def test_two_ranks_write_the_contract_that_report_reads(tmp_path: Path) -> None:
     import csv
 
     rows = list(csv.DictReader((tmp_path / "report" / "scaling.csv").open()))
-    assert [(int(r["world_size"]), int(float(r["per_device_batch_size"]))) for r in rows] == [(2, 32)], rows
+    assert [(int(r["world_size"]), int(float(r["per_device_batch_size"]))) for r in rows] == [(2, 16)], rows
     assert float(rows[0]["samples_per_s"]) > 0
 
 
@@ -160,10 +175,9 @@ def test_a_process_group_the_script_made_is_reused_and_left_to_it(tmp_path: Path
 
 
 # --------------------------------------------------------------------------- signal, checkpoint, resume
-def test_requeue_signal_stops_every_rank_at_one_step_and_the_run_resumes_exactly(tmp_path: Path) -> None:
-    total = 30  # the stop comes at step 5-10 (asserted): the resumed segment runs 20-25 steps
-    spec = {"train": {"log_every": 1}, "checkpoint": {"poll_s": 0, "keep": 2}}
-    args = ("--steps", str(total), "--batch-size", "16")
+def test_requeue_signal_stops_every_rank_at_one_step_and_the_run_resumes_exactly(two_rank_run: Path,
+                                                                                  tmp_path: Path) -> None:
+    total, spec, args = REQUEUE_TOTAL, REQUEUE_SPEC, REQUEUE_ARGS
     run_dir = make_run_dir(tmp_path / "run", spec)
     # Both ranks wait after optimizer step 5 until the signal reached them: it lands mid-run, at any speed.
     holds = hold_files(tmp_path / "hold")
@@ -197,9 +211,7 @@ def test_requeue_signal_stops_every_rank_at_one_step_and_the_run_resumes_exactly
     steps = records(run_dir, "step")
     assert [s["step"] for s in steps] == list(range(1, total + 1)), "every step exactly once"
 
-    reference = make_run_dir(tmp_path / "reference", spec)
-    finish(launcher(reference, 2, *args), reference)
-    expected = [s["loss"] for s in records(reference, "step")]
+    expected = [s["loss"] for s in records(two_rank_run, "step")]  # the same spec and arguments, never signalled
     assert [s["loss"] for s in steps] == pytest.approx(expected, rel=1e-5, abs=1e-6), \
         "the resumed run follows the uninterrupted one (weights, momentum and batches restored)"
 

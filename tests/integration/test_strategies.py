@@ -19,8 +19,8 @@ from tests.helpers.ranks import final_params, finish, horovod_missing, records, 
 #: Hang guard (not a performance bound) for the module's reference runs: 6 ranks at once on 2 cores
 #: took 51 s on this machine under load (~9); >= 10x an idle run.
 RUNS_HANG_S = 600
-#: pytest-timeout of every test here: the first one also pays for the reference runs, the Horovod
-#: ones run horovodrun twice (each under run_horovodrun's 240 s guard).
+#: pytest-timeout of every test here: the first one also pays for the reference runs, the first Horovod
+#: one for the module's horovodrun run (each horovodrun under run_horovodrun's 240 s guard).
 TEST_TIMEOUT_S = 900
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
@@ -295,14 +295,21 @@ def run_horovodrun(run_dir: Path, np: int = 2, timeout: float = 240) -> str:
     return out
 
 
-def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
-    """horovodrun --gloo, 2 ranks x batch 32: the DDP losses; a copy of its step-10 checkpoint resumes."""
+@pytest.fixture(scope="module")
+def horovodrun_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """horovodrun --gloo, 2 ranks x batch 32 on COMMON (its run dir and output): one run that two tests read."""
     missing = horovod_missing()
     if missing:
         pytest.skip(f"Horovod not importable: {missing}")
-    run = tmp_path / "horovod"
+    run = tmp_path_factory.mktemp("horovodrun") / "horovod"
     write_spec(run, strategy="horovod", **COMMON)
-    out = run_horovodrun(run)
+    return run, run_horovodrun(run)
+
+
+def test_horovod_under_horovodrun_trains_like_ddp(runs: dict[str, Path], horovodrun_run: tuple[Path, str]) -> None:
+    """horovodrun --gloo, 2 ranks x batch 32: the DDP losses and weights (its step-10 checkpoint resumes
+    under the other launcher: the next test)."""
+    run, out = horovodrun_run
     ddp = [r["loss"] for r in records(runs["ddp"], "step")]
     hvd = [r["loss"] for r in records(run, "step")]
     diff = max(abs(a - b) for a, b in zip(ddp, hvd, strict=True))
@@ -317,17 +324,6 @@ def test_horovod_trains_like_ddp_and_resumes(runs: dict[str, Path], tmp_path: Pa
     p_ddp, p_hvd = final_params(runs["ddp"]), final_params(run)
     for name in p_ddp:
         torch.testing.assert_close(p_hvd[name], p_ddp[name], rtol=1e-2, atol=2e-3, msg=f"parameter {name}")
-
-    again = tmp_path / "horovod-resume"
-    (again / "checkpoints").mkdir(parents=True)
-    shutil.copy(run / "spec.json", again / "spec.json")
-    ten = ck.checkpoint_path(run / "checkpoints", 10)
-    shutil.copy(ten, again / "checkpoints" / ten.name)
-    assert "at step 10" in run_horovodrun(again)
-    resumed = {r["step"]: r["loss"] for r in records(again, "step")}
-    full = {r["step"]: r["loss"] for r in records(run, "step")}
-    assert sorted(resumed) == [11, 12]
-    assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
 
 
 def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[str, Path], tmp_path: Path) -> None:
@@ -347,19 +343,27 @@ def test_horovod_fp16_allreduce_with_accumulation_stays_close_to_ddp(runs: dict[
     assert len(hvd) == 12 and hvd == pytest.approx(ddp, rel=2e-2, abs=2e-3)
 
 
-def test_horovod_ranks_from_another_launcher_meet_through_the_gloo_rendezvous(runs: dict[str, Path],
-                                                                               tmp_path: Path) -> None:
+def test_horovod_ranks_from_another_launcher_meet_through_the_gloo_rendezvous(
+        runs: dict[str, Path], horovodrun_run: tuple[Path, str], tmp_path: Path) -> None:
     """Two torchrun-style processes (no horovodrun, a Gloo-only Horovod): cyclone_kit runs Horovod's
-    rendezvous itself, so they form one Horovod world of 2 and train like DDP (as srun's tasks do)."""
-    missing = horovod_missing()
-    if missing:
-        pytest.skip(f"Horovod not importable: {missing}")
+    rendezvous itself, so they form one Horovod world of 2 (as srun's tasks do); given a copy of the
+    horovodrun run's step-10 checkpoint, they resume it and end on its trajectory (and so DDP's)."""
+    src, _ = horovodrun_run
     run = tmp_path / "hvd-torchrun-style"
-    write_spec(run, strategy="horovod", **COMMON)
-    run_ranks(run, 2)
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(src / "spec.json", run / "spec.json")
+    ten = ck.checkpoint_path(src / "checkpoints", 10)
+    shutil.copy(ten, run / "checkpoints" / ten.name)
+    assert "at step 10" in run_ranks(run, 2)[0][1]
     start, end = records(run, "start")[0], records(run, "end")[-1]
     assert (start["strategy"], start["world_size"], start["launcher"]) == ("horovod", 2, "torchrun")
     assert end["status"] == "completed" and end["steps"] == 12
-    ddp = [r["loss"] for r in records(runs["ddp"], "step")]
-    hvd = [r["loss"] for r in records(run, "step")]
-    assert len(hvd) == 12 and hvd == pytest.approx(ddp, rel=2e-3, abs=2e-4)
+    resumed = {r["step"]: r["loss"] for r in records(run, "step")}
+    full = {r["step"]: r["loss"] for r in records(src, "step")}
+    ddp = {r["step"]: r["loss"] for r in records(runs["ddp"], "step")}
+    assert sorted(resumed) == [11, 12]
+    assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
+    assert [resumed[s] for s in (11, 12)] == pytest.approx([ddp[s] for s in (11, 12)], rel=2e-3, abs=2e-4)
+    p_full, p_resumed = final_params(src), final_params(run)
+    for name in p_full:
+        torch.testing.assert_close(p_resumed[name], p_full[name], rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
