@@ -35,6 +35,8 @@ def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_sect
     proc = subprocess.run([sys.executable, "bench/run_all.py", "--results", str(results)], cwd=REPO, env=QUICK_ENV,
                           capture_output=True, text=True, timeout=RUN_ALL_HANG_S)
     out = proc.stdout
+    if proc.returncode != 0:  # the whole output in the report (captured stdout): a crashed benchmark's own lines
+        print(out, proc.stderr, sep="\n")  # come long before the summary that the assertion's tail shows
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
     summary = out.split("=== summary", 1)[1]
     # every benchmark's figures, each with a verdict
