@@ -255,6 +255,99 @@ def test_a_rank_past_its_bound_works_only_computing_in_python_outside_a_collecti
     assert pg.idle_verdict(0.1, idle_s, 8.0, cpu_s, frames, silent_s) == verdict
 
 
+@pytest.mark.parametrize(("waiting_s", "verdict"), [
+    (None, pg.STALLED),  # how long it waited is unknown: inside a collective past the bound decides
+    (8.0, pg.STALLED),  # inside the collective for the whole bound
+    (12.0, pg.STALLED),
+    (1.0, pg.UNSURE),  # its own validation pass ended a second ago; the peer's goes on: look again
+    (0.0, pg.UNSURE),  # the look that first saw it there
+])
+def test_a_rank_inside_a_collective_is_stalled_once_it_waited_there_for_the_bound(
+        waiting_s: float | None, verdict: str) -> None:
+    """The wait for a peer counts from when the watchdog first saw the main thread inside the collective, not
+    from the last step or the last restart of the wait (a validation pass): ``idle_s`` is past the bound in
+    every case, and the CPU share says busy (the pass just ended)."""
+    assert pg.idle_verdict(0.1, 10.0, 8.0, 9.0, COLLECTIVE, 0.5, waiting_s) == verdict
+
+
+def test_the_watchdog_counts_a_collective_wait_from_when_it_saw_it() -> None:
+    """Made, not hoped for: the main thread (this test) makes no step for three bounds, in Python and "in one C
+    call for less than the bound" (a probe that says so: the watchdog looks again, the wait is not restarted),
+    then sits in a collective-like frame (a function compiled under torch/distributed's file name) for a
+    quarter of the bound: no stall (counted from the last step it would be one), and it steps. Then it sits
+    there until the watchdog fires: once the bound passed inside the collective, with ``waiting`` true."""
+    records, called, exits, fired = _Records(), [], [], threading.Event()
+    bound = 1.0
+    fake: dict[str, Any] = {}
+    exec(compile("import time\n"
+                 "def wait(s, done):\n"
+                 "    t = time.monotonic()\n"
+                 "    while time.monotonic() - t < s and not done.is_set():\n"
+                 "        time.sleep(0.01)\n", "/v/torch/distributed/distributed_c10d.py", "exec"), fake)
+
+    def leave(code: int) -> None:
+        exits.append(code)
+        fired.set()
+
+    watch = _CountingWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=bound, factor=1), "7:0",
+                           lambda stuck, recs, own: called.append(own), exit=leave, settle_s=0.0,
+                           busy_share=0.0, probe=_ShortCall())
+    for step in range(1, 5):
+        watch.beat(step)
+    watch.start()
+    _wait_past_the_bound(watch, looks=3)  # unsure at every look: no step for three bounds, the wait goes on
+    fake["wait"](bound / 4, fired)
+    assert not fired.is_set(), "a quarter of the bound inside the collective was taken for a stall"
+    watch.beat(5)
+    fake["wait"](120, fired)  # a hang guard, not a bound: returns when the watchdog fires
+    watch.stop()
+    assert exits == [pg.STALL_EXIT_CODE], exits
+    (own,) = called
+    assert own["waiting"] is True and own["step"] == 5 and own["idle_s"] >= bound, own
+
+
+class _ShortCall:
+    """A main-thread probe that always says the main thread has been in one C call for a tenth of a second."""
+
+    def post(self) -> None:
+        pass
+
+    def silent_s(self) -> float:
+        return 0.1
+
+
+def test_a_rank_that_steps_while_it_settles_takes_its_stall_back() -> None:
+    """The condition is made: rank 0 stops stepping, its watchdog says ``stalled`` and waits for its live peer's
+    verdict; then rank 0 makes a step (the peer it waited for caught up). It stands down: no exit, no
+    ``on_stall``, its record says ``running`` at the new step; the watch goes on and ends normally."""
+    records, called, exits = _Records(), [], []
+    peer = {"rank": 1, "host": "c2", "pid": 2, "segment": "7:0", "state": "running", "step": 5, "bound_s": 0.3,
+            "beat_time": time.time()}
+    records.write(1, peer)
+    watch = pg.ProgressWatch(records, 0, 2, "c1", pg.StallPolicy(floor_s=0.3, factor=1), "7:0",
+                             lambda *a: called.append(a), exit=exits.append, settle_s=60.0)
+    for step in range(1, 6):
+        watch.beat(step)
+        time.sleep(0.01)
+    watch.start()
+    deadline = time.monotonic() + 60  # a hang guard, not a bound
+    while (records.read_all().get(0) or {}).get("state") != "stalled":
+        assert time.monotonic() < deadline, "the watchdog never said stalled"
+        records.write(1, {**peer, "beat_time": time.time()})
+        time.sleep(0.05)
+    assert pg._STALLING.is_set()
+    watch.beat(6)
+    while (records.read_all().get(0) or {}).get("state") != "running":
+        assert time.monotonic() < deadline, "the watchdog never took its stall back"
+        records.write(1, {**peer, "beat_time": time.time()})
+        time.sleep(0.05)
+    assert not called and not exits and not pg._STALLING.is_set()
+    assert records.read_all()[0]["step"] == 6
+    watch.beat(7)
+    watch.stop()
+    assert records.read_all()[0]["state"] == "ended" and not exits
+
+
 def test_the_probe_runs_when_the_main_thread_returns_to_python_not_before() -> None:
     """Py_AddPendingCall's probe, posted from another thread (as the watchdog does at every look) while
     the main thread (this test) sits in one C call (a lock's acquire), stays outstanding until that call

@@ -624,6 +624,8 @@ def _run_step(argv: Sequence[str], env: dict[str, str], run_dir: Path, job: str,
                     waiting = None
             if failed_at is None and not terminated and view.failed:
                 failed_at = now
+            elif failed_at is not None and cancelled_at is None and not view.failed:
+                failed_at = None  # a rank took its stall back (it made a step while its peers settled)
             if failed_at is None and not terminated and silent(view, now):
                 records: dict[int, Any] = dict(view.progress)
                 world = max(records) + 1

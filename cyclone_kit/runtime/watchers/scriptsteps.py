@@ -15,7 +15,9 @@ returning to Python (a probe the watchdog posts with ``Py_AddPendingCall`` runs 
 bytecodes of the main thread) and kept at least :data:`BUSY_SHARE` of a core busy since its last
 step is counted as working and the wait starts again
 (:func:`~cyclone_kit.runtime.watchers.stall.idle_verdict`). A rank that sleeps, waits on a lock, a dead
-file system or a peer is stalled; so is one whose main thread sat in one C call for the whole
+file system, or a peer inside a collective for the whole bound (counted from when its watchdog first saw
+it there, not from its last step: a rank whose own validation pass ended first waits for a peer's) is
+stalled; so is one whose main thread sat in one C call for the whole
 bound, however busy: a GPU rank hung behind a collective that never ends waits at its next host
 sync (``loss.item()``), which spins a core under CUDA's default scheduling in no frame of a known
 wait. The usual rules follow (its stack in its error record, ``failure.json`` naming the stuck

@@ -20,7 +20,8 @@ after every optimizer step: the built-in engines and ``ck.log_step`` call it thr
   record ``stalled``, waits a few seconds for its peers' records (longer, up to
   :data:`SETTLE_MAX_FACTOR` x that, for a peer still writing its record: alive, yet to decide), and picks the rank(s) that
   stopped making progress with :func:`choose_stuck` (the fewest steps; among those, the ones
-  *not* waiting for a peer; a rank that did not answer counts as stuck). The stuck rank's error
+  *not* waiting for a peer; a rank that did not answer counts as stuck). A rank that makes a step
+  while it waits (the peer it waited for caught up) takes its stall back. The stuck rank's error
   record carries its stack; ``failure.json`` (cause ``stalled``, first writer wins) names it.
   The rank that wrote ``failure.json`` requeues the job under Slurm when ``checkpoint.requeue``
   allows it, then every stalled rank leaves with :data:`STALL_EXIT_CODE`, so the launcher (the
@@ -152,11 +153,14 @@ STALLED, WORKING, UNSURE = "stalled", "working", "unsure"
 
 
 def idle_verdict(busy_share: float, idle_s: float, bound_s: float, cpu_s: float, frames: Sequence[str],
-                 silent_s: float | None) -> str:
+                 silent_s: float | None, waiting_s: float | None = None) -> str:
     """What a rank with no step for ``idle_s`` (past its bound ``bound_s``) is doing (pure):
     :data:`STALLED`, :data:`WORKING` (the wait starts again) or :data:`UNSURE` (look again).
 
-    Stalled: its main thread (``frames``) waits inside a collective; or it has run no Python for at
+    Stalled: its main thread (``frames``) has waited inside a collective for the bound (``waiting_s``:
+    seconds since the watchdog first saw it there; None: unknown, the frames alone decide); a shorter
+    wait is unsure (a rank that validated, the wait restarted, and now waits for a peer still
+    validating a little longer has waited only since its own pass ended); or it has run no Python for at
     least the bound (``silent_s``: it sits in one C call that has not returned, whatever CPU that
     call burns: on a GPU a hung rank waits at its next host sync, ``loss.item()``, spinning a core
     under CUDA's default scheduling behind a collective that never ends); or it used less than
@@ -165,8 +169,10 @@ def idle_verdict(busy_share: float, idle_s: float, bound_s: float, cpu_s: float,
     computes and its main thread keeps returning to Python (a validation pass). ``silent_s`` None:
     the main thread cannot be probed, the CPU alone decides.
     """
-    if waiting_for_peers(frames) or idle_s <= 0:
+    if idle_s <= 0:
         return STALLED
+    if waiting_for_peers(frames):
+        return STALLED if waiting_s is None or waiting_s >= bound_s else UNSURE
     if silent_s is not None and silent_s >= bound_s:
         return STALLED
     if cpu_s / idle_s < busy_share:
@@ -349,6 +355,12 @@ def park_if_stalling() -> None:
 
 
 # --------------------------------------------------------------------------- the stack
+def main_thread_file() -> str:
+    """The file name of the main thread's innermost frame ("" when it has none): cheap enough for every look."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    return frame.f_code.co_filename if frame is not None else ""
+
+
 def main_thread_frames() -> tuple[list[str], str]:
     """The main thread's frame file names (outermost first) and its innermost frame as ``file:line in func``."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
@@ -405,6 +417,7 @@ class ProgressWatch:
         self.step: int | None = None
         self._t_last = time.monotonic()
         self._cpu_last = cpu_clock()
+        self._waiting_since: float | None = None  # when a look first saw the main thread inside a collective
         self._intervals: deque[float] = deque(maxlen=WINDOW)
         self._paused = 0
         self._stop = threading.Event()
@@ -487,24 +500,33 @@ class ProgressWatch:
             now = time.monotonic()
             if self.probe is not None:
                 self.probe.post()
+            if self.busy_share is not None:  # how long the main thread has waited inside a collective
+                waiting = waiting_for_peers([main_thread_file()])
+                self._waiting_since = (self._waiting_since if self._waiting_since is not None else now) if waiting else None
             if bound is not None and not self._paused and now - self._t_last > bound:
                 if self.busy_share is None:
-                    self._stall()
-                    return
+                    if self._stall():
+                        return
+                    continue
                 cpu = self._cpu_clock()
                 frames, _ = main_thread_frames()
                 silent = self.probe.silent_s() if self.probe is not None else None
-                verdict = idle_verdict(self.busy_share, now - self._t_last, bound, cpu - self._cpu_last, frames, silent)
+                waited = 0.0 if self._waiting_since is None else now - self._waiting_since
+                verdict = idle_verdict(self.busy_share, now - self._t_last, bound, cpu - self._cpu_last, frames, silent,
+                                       waited)
                 if verdict == STALLED:
-                    self._stall()
-                    return
+                    if self._stall():
+                        return
+                    continue
                 if verdict == WORKING:  # a pass that is no step: the wait starts again
                     self._t_last, self._cpu_last = now, cpu
             if now - self._last_write >= beat_interval(bound):
                 self._write(self.record("running"))
 
-    def _stall(self) -> None:
-        """No step for longer than the bound: record, agree on the stuck rank(s), hand over, leave."""
+    def _stall(self) -> bool:
+        """No step for longer than the bound: record, agree on the stuck rank(s), hand over, leave (True; a
+        test's ``exit`` returns). False: this rank made a step while it waited for its peers' records (the
+        peer it waited for caught up): it stands down, its record says ``running`` again, the watch goes on."""
         self.stalled = True
         _STALLING.set()  # before this rank says "stalled": a peer that acts on it may break our collective
         frames, where = main_thread_frames()
@@ -514,6 +536,8 @@ class ProgressWatch:
         start = time.monotonic()
         records: dict[int, Any] = {}
         while True:
+            if self.step != own["step"]:
+                return self._stand_down()
             records = self.current_records()
             if all((records.get(r) or {}).get("state") == "stalled" for r in range(self.world_size)):
                 break
@@ -524,6 +548,8 @@ class ProgressWatch:
                                      or not live_undecided(records, self.rank, time.time())):
                 break
             time.sleep(0.2)
+        if self.step != own["step"]:
+            return self._stand_down()
         records = self.current_records()
         records[self.rank] = own
         stuck = choose_stuck(records, self.world_size)
@@ -537,6 +563,15 @@ class ProgressWatch:
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         self._exit(STALL_EXIT_CODE)
+        return True
+
+    def _stand_down(self) -> bool:
+        """A stall this rank declared, taken back: it made a step since (see :meth:`_stall`)."""
+        self.stalled = False
+        _STALLING.clear()
+        self._waiting_since = None
+        self._write(self.record("running"))
+        return False
 
     def current_records(self) -> dict[int, Any]:
         """Every rank's progress record of this segment (others' segments dropped)."""
