@@ -181,11 +181,11 @@ def plain_start_s(work: Workload, tmp: Path, tag: str, timeout: float = 600) -> 
 
 
 def _free_port() -> int:
-    import socket
+    """The reference ranks' MASTER_PORT, picked as the local launcher picks its own (below the kernel's ephemeral
+    range: the kernel's own pick could be handed to another process before rank 0 binds it)."""
+    from cyclone_kit.core.ports import free_local_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_local_port()
 
 
 def median(values: list[float]) -> float:

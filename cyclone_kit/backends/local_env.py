@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.core.malloc import malloc_environment
+from cyclone_kit.core.ports import free_local_port
 from cyclone_kit.launchers import LOCAL
 from cyclone_kit.launchers.local import fake_hosts, nodelist_string, tasks_per_node_string
 
@@ -157,11 +157,10 @@ def working_directory(spec: Any) -> str | None:
     return (script.chdir or None) if script is not None else None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port() -> int:
+    """A TCP port for the ranks' rendezvous that nobody holds right now, outside the kernel's ephemeral range
+    (:func:`cyclone_kit.core.ports.free_local_port`)."""
+    return free_local_port()
 
 
 def new_job_id() -> str:

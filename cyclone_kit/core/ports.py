@@ -10,11 +10,14 @@ The sbatch templates run ``python -m cyclone_kit.core.ports BASE SPAN JOB_ID`` o
 the allocation (where Slurm runs the batch script, and where rank 0 and the rendezvous server
 run). It prints ``BASE + JOB_ID % SPAN`` when that port is free there, else the next free one
 in ``[BASE, BASE + SPAN)``: two jobs sharing a node whose ids differ by a multiple of SPAN no
-longer collide, nor does a job whose port some other program holds. Imports nothing heavy.
+longer collide, nor does a job whose port some other program holds. :func:`free_local_port` picks the
+port of a run on this host alone (the local launcher, submitit's local executor) from the same range.
+Imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -72,6 +75,20 @@ def can_bind(port: int) -> bool:
 def pick_port(base: int, span: int, job_id: int, free: Callable[[int], bool] = can_bind) -> int:
     """The first free port of :func:`candidate_ports`; the job's own port when none is free."""
     return next((p for p in candidate_ports(base, span, job_id) if free(p)), job_port(job_id, 0, base=base, span=span))
+
+
+def free_local_port(free: Callable[[int], bool] = can_bind, start: int | None = None) -> int:
+    """A rendezvous port for ranks on this host: free now, in ``[PORT_BASE, PORT_BASE + PORT_SPAN)``.
+
+    Not the kernel's pick (``bind(("", 0))``), which is an ephemeral port (Linux: 32768-60999): between the
+    pick and rank 0's bind (a new interpreter, ``import torch``: seconds) the kernel hands ports of that range
+    to every other process's outgoing connections and gloo's listeners, and rank 0 could fail with
+    EADDRINUSE. Ports below it are taken only by programs that ask for them by number. ``start`` (default:
+    random) is where the search begins, so that two local runs started together do not both try the same
+    port first.
+    """
+    offset = secrets.randbelow(PORT_SPAN) if start is None else start % PORT_SPAN
+    return pick_port(PORT_BASE, PORT_SPAN, offset, free)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -13,10 +12,11 @@ RANK_TIMEOUT_S = 240
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port for a rendezvous on this host, as the product's local launcher picks it (below the kernel's
+    ephemeral range, which other processes' connections take from at any moment)."""
+    from cyclone_kit.core.ports import free_local_port
+
+    return free_local_port()
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,9 +23,11 @@ TIMEOUT_S = 240
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port for a rendezvous on this host, as the product's local launcher picks it (below the kernel's
+    ephemeral range, which other processes' connections take from at any moment)."""
+    from cyclone_kit.core.ports import free_local_port
+
+    return free_local_port()
 
 
 def write_spec(run_dir: Path, checkpoint: dict[str, Any] | None = None, **train: Any) -> Path:

@@ -42,3 +42,32 @@ def test_a_port_in_time_wait_is_free_and_one_with_a_listener_is_not() -> None:
         accepted.close()  # the server side closes first: its end of the connection is in TIME_WAIT
         client.close()
     assert can_bind(port)
+
+
+def test_a_local_runs_port_is_below_the_kernels_ephemeral_range_and_free() -> None:
+    """The local launcher's MASTER_PORT: a real listener holds the first candidate, so the next one is taken; every
+    pick lies in [PORT_BASE, PORT_BASE + PORT_SPAN), below the ports the kernel hands out by itself (read from
+    /proc where there is one), and the search starts at a different place for each run."""
+    import socket
+    from pathlib import Path
+
+    from cyclone_kit.backends.local_env import free_port
+    from cyclone_kit.core.ports import PORT_BASE, PORT_SPAN, can_bind, free_local_port
+
+    low = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    ephemeral = int(low.read_text().split()[0]) if low.exists() else 32768
+    assert ephemeral >= PORT_BASE + PORT_SPAN
+    first = PORT_BASE + 1234
+    with socket.socket() as listener:
+        try:
+            listener.bind(("", first))
+        except OSError:  # some program holds it already: busy either way
+            pass
+        else:
+            listener.listen()
+        assert not can_bind(first)
+        pick = free_local_port(start=1234)
+        assert pick != first and (pick == first + 1 or not can_bind(first + 1)), pick
+    picks = {free_port() for _ in range(20)}
+    assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in picks), picks
+    assert len(picks) > 1, "every run would try the same port first"
