@@ -8,9 +8,10 @@ stop checkpoint complete at exit, the resumed trajectory) is in test_signals.py 
 a background write that finds the disk full, in test_checkpoint_faults.py. Three saves in the
 background, one blocking; ``ck.finish()`` returns with the last background write in place.
 
-FSDP's sharded checkpoints written in the background on every rank (``checkpoint.sharded`` with
-``async_write``): a rank SIGKILLed while its shard write is held (:mod:`tests.helpers.slow_parts`:
-the fsync of its shard file waits for a file the test never writes) leaves no checkpoint that loads
+FSDP's sharded checkpoints (``checkpoint.sharded`` with ``async_write``) and a pipeline's (its stages'
+tensors), written in the background on every rank: a rank SIGKILLed while its shard write is held
+(:mod:`tests.helpers.slow_parts`: the fsync of its shard file waits for a file the test never writes) leaves
+no checkpoint that loads
 as good, and the run resumes from the one before, on the same trajectory. The uninterrupted run and its
 resume from a copy: test_strategies.py.
 """
@@ -160,16 +161,23 @@ def _segments(run_dir: Path) -> list[dict[int, float]]:
     return segments
 
 
-def test_a_rank_killed_during_its_background_shard_write_leaves_no_good_checkpoint(tmp_path: Path) -> None:
-    """FSDP, 2 gloo ranks, sharded checkpoints every 2 steps written in the background. Rank 1's shard
-    write of step 4 is held (the fsync of its shard file), so its ``.pt`` is never written; training goes
-    on to step 5 meanwhile; rank 1 is SIGKILLed there. Rank 0 fails, step 2 (whose ``.pt`` was written when
-    step 4's checkpoint started) is the newest good checkpoint, and the same run directory resumes from it
-    onto the first segment's losses; the orphaned shard directory is pruned."""
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+def test_a_rank_killed_during_its_background_shard_write_leaves_no_good_checkpoint(tmp_path: Path,
+                                                                                   strategy: str) -> None:
+    """FSDP's shards (``checkpoint.sharded``) or a pipeline's stages (2 stages, one per rank), 2 gloo ranks,
+    checkpoints every 2 steps written in the background on both. Rank 1's write of step 4 is held (the fsync
+    of its DCP file), so its ``.pt`` is never written; training goes on to step 5 meanwhile; rank 1 is
+    SIGKILLed there. Rank 0 fails, step 2 (whose ``.pt`` was written when step 4's checkpoint started) is the
+    newest good checkpoint, and the same run directory resumes from it onto the first segment's losses; the
+    orphaned DCP directory is pruned."""
     every, total = 2, 8
     run = tmp_path / "run"
-    write_spec(run, checkpoint={"sharded": True, "every_steps": every, "keep": 3, "async_write": True},
-               strategy="fsdp", batch_size=32, log_every=1, synthetic_samples=640, steps=total, val_samples=64)
+    layout = (dict(pipeline_stages=2, microbatches=2, pipeline_schedule="gpipe") if strategy == "pipeline"
+              else {})
+    write_spec(run, checkpoint={"every_steps": every, "keep": 3, "async_write": True,
+                                **({"sharded": True} if strategy == "fsdp" else {})},
+               strategy=strategy, batch_size=32, log_every=1, synthetic_samples=640, steps=total, val_samples=64,
+               **layout)
     holds = hold_files(tmp_path / "hold")
     procs = start_ranks(run, 2, env=slow_parts_env(tmp_path / "hold", hold_shard=2, hold_shard_rank=1))
     ckpts = run / "checkpoints"

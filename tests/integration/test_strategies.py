@@ -215,6 +215,8 @@ def test_pipeline_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[
     assert sorted(resumed) == [11, 12]
     assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
     assert records(run, "start")[0]["balance"]["cuts"] == records(src, "start")[0]["balance"]["cuts"]
+    # written in the background on every rank (checkpoint.async_write): steps 10 and 12, each .pt after its stages
+    assert records(src, "end")[-1]["checkpoints_async"] == 2, records(src, "end")[-1]
 
 
 def test_a_ddp_run_loads_the_pipeline_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ def shard_dir_name(step: int) -> str:
     return f"ckpt-{step:09d}.dcp"
 
 
-def _fresh_target(folder: Path, step: int) -> Path:
+def fresh_target(folder: Path, step: int) -> Path:
     """The shard directory of ``step``, empty on every rank's return (rank 0 removes one left by a run
     killed between its shards and its ``.pt``; the others wait for it on the gloo side group)."""
     import torch.distributed as dist
@@ -65,7 +65,7 @@ def save_sharded(folder: Path, step: int, model: nn.Module, optimizer: Any) -> d
     ``.pt`` state (``model`` names the directory, ``optimizer_format`` is :data:`FORMAT`)."""
     import torch.distributed.checkpoint as dcp
 
-    target = _fresh_target(folder, step)
+    target = fresh_target(folder, step)
     dcp.save(_states(model, optimizer), checkpoint_id=str(target))
     return _entries(step)
 
@@ -84,10 +84,27 @@ def start_sharded(folder: Path, step: int, model: nn.Module, optimizer: Any) -> 
 
     from cyclone_kit.runtime.dist import background_group
 
-    target = _fresh_target(folder, step)
+    target = fresh_target(folder, step)
     group = background_group()  # a collective the first time: every rank is here, at this step
     future = dcp.async_save(_states(model, optimizer), checkpoint_id=str(target), process_group=group)
     return _entries(step), future
+
+
+def shards_in_background(is_main: bool) -> bool:
+    """Whether this torch writes sharded checkpoints (FSDP's shards, a pipeline's stages) in the background
+    (``async_save`` with a ``process_group``); if not, one line (``is_main``: this rank says it) says they are
+    written blocking."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from cyclone_kit.runtime.dist import warn
+    from cyclone_kit.runtime.torchcompat import dcp_async_line, has_dcp_async_save
+
+    if has_dcp_async_save(dcp):
+        return True
+    if is_main:
+        warn(dcp_async_line(torch.__version__))
+    return False
 
 
 def is_sharded(state: dict[str, Any]) -> bool:

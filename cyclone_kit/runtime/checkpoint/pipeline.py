@@ -6,7 +6,9 @@ state dict: ``model.<name>`` for each entry of the *unsplit* model's state dict 
 DCP's planner writes each key once. Rank 0's small ``ckpt-NNNNNNNNN.pt`` (scheduler, step,
 sampler position, RNG, the split) names the directory and is written after every shard, so a
 ``.pt`` that exists is a complete checkpoint (:func:`cyclone_kit.runtime.checkpoint.fsdp.prune`
-removes directories left without one).
+removes directories left without one). With ``checkpoint.async_write`` (the default) the stages are
+written as FSDP's shards are (:func:`start_stages`): copied to host memory at the step, written in
+DCP's thread, the ``.pt`` once every rank's write is done (``Session.finish_shards``).
 
 Because the names are the full model's, a DDP run on any number of ranks loads the weights and
 momentum (:func:`load_full`), and a pipeline with another split loads its own share.
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cyclone_kit.runtime.checkpoint.fsdp import shard_dir_name
+from cyclone_kit.runtime.checkpoint.fsdp import fresh_target, shard_dir_name
 from cyclone_kit.runtime.dist import side_group
 
 #: The optimizer_format of a pipeline checkpoint (tensors in a DCP directory).
@@ -70,7 +72,31 @@ def save_stages(folder: Path, step: int, modules: Sequence[Any], optimizer: Any)
         dist.barrier(group=side_group())
     tensors, params = _named(modules)
     dcp.save(flat_state(tensors, params, optimizer), checkpoint_id=str(target))
-    return {"model": {"dcp": name}, "optimizer": None, "optimizer_format": FORMAT}
+    return _entries(step)
+
+
+def start_stages(folder: Path, step: int, modules: Sequence[Any], optimizer: Any) -> tuple[dict[str, Any], Any]:
+    """Start writing this rank's stages in the background (a collective: every rank calls it, at the same
+    step); returns the ``.pt`` entries (as :func:`save_stages`) and the write's future.
+
+    As :func:`cyclone_kit.runtime.checkpoint.fsdp.start_sharded`: ``async_save`` copies the tensors and the
+    momentum to host memory here (later optimizer steps cannot reach the files), then plans and writes them in
+    its own thread over :func:`~cyclone_kit.runtime.dist.background_group`. Until every rank's future is done
+    the directory has no ``.pt`` and is no checkpoint. Call only with no other write in flight.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from cyclone_kit.runtime.dist import background_group
+
+    target = fresh_target(folder, step)
+    group = background_group()  # a collective the first time: every rank is here, at this step
+    tensors, params = _named(modules)
+    future = dcp.async_save(flat_state(tensors, params, optimizer), checkpoint_id=str(target), process_group=group)
+    return _entries(step), future
+
+
+def _entries(step: int) -> dict[str, Any]:
+    return {"model": {"dcp": shard_dir_name(step)}, "optimizer": None, "optimizer_format": FORMAT}
 
 
 def _load(target: Path, tensors: Mapping[str, torch.Tensor], params: Mapping[str, nn.Parameter],

@@ -39,6 +39,7 @@ from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import phases as ph
 from cyclone_kit.runtime import power
+from cyclone_kit.runtime.checkpoint.fsdp import shards_in_background
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
 from cyclone_kit.runtime.engine.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.engine.loop import (
@@ -465,7 +466,8 @@ class _Loop(SegmentLoop):
         self.criterion = nn.CrossEntropyLoss()
         self.sharded = strategy.sharded and session.distributed
         self.no_sync = strategy.no_sync(wrapped) if session.distributed else None
-        self.async_shards = self.sharded and self.cc.sharded and self.cc.async_write and _async_shards(self.env)
+        self.async_shards = (self.sharded and self.cc.sharded and self.cc.async_write
+                             and shards_in_background(self.env.is_main))
         self.energy = power.start_meter(dev)  # NVML, GPU runs with nvidia-ml-py only; None otherwise
 
     # -- one optimizer step: grad_accum micro-batches, no_sync on all but the last
@@ -680,20 +682,6 @@ def _restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
         warn(f"checkpoint was written by {len(rngs)} rank(s), this run has {env.world_size}: "
              "RNG streams are reseeded, the rest resumes exactly")
     return int(state["step"])
-
-
-def _async_shards(env: DistEnv) -> bool:
-    """Whether this torch writes sharded checkpoints in the background (``async_save``); if not, one line
-    (rank 0) says they are written blocking."""
-    import torch.distributed.checkpoint as dcp
-
-    from cyclone_kit.runtime.torchcompat import dcp_async_line, has_dcp_async_save
-
-    if has_dcp_async_save(dcp):
-        return True
-    if env.is_main:
-        warn(dcp_async_line(torch.__version__))
-    return False
 
 
 def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:

@@ -29,7 +29,8 @@ for the report to set against the ideal bubble (P-1)/(M+P-1).
 
 **Checkpoints**: torch.distributed.checkpoint (:mod:`~cyclone_kit.runtime.checkpoint.pipeline`): every
 stage writes its own tensors under the full model's names, so a DDP run (any world size) loads
-the weights and momentum, and a pipeline run can resume from a DDP checkpoint.
+the weights and momentum, and a pipeline run can resume from a DDP checkpoint. With
+``checkpoint.async_write`` (the default) every rank writes them in the background, as FSDP's shards.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.contract import pipeline_step_fields
 from cyclone_kit.runtime import torchcompat
 from cyclone_kit.runtime.checkpoint import pipeline as pck
+from cyclone_kit.runtime.checkpoint.fsdp import shards_in_background
 from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
 from cyclone_kit.runtime.engine import pipeline_split as split
 from cyclone_kit.runtime.engine.data import auto_workers, build_data
@@ -522,6 +524,7 @@ class _Loop(SegmentLoop):
         self.pipe, self.lay, self.data, self.plan = pipe, pipe.lay, data, plan
         self.optimizer, self.scheduler, self.scaler, self.dev = optimizer, scheduler, scaler, dev
         self.start_state()  # validates: set False when this torch has no schedule.eval (torchcompat)
+        self.async_shards = session.distributed and self.cc.async_write and shards_in_background(self.env.is_main)
 
     # -- one optimizer step: grad_accum schedule steps, then the replicas' gradients averaged
     def train_step(self, batches: Any, window: Window, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -613,11 +616,20 @@ class _Loop(SegmentLoop):
 
     # -- checkpoints
     def write_checkpoint(self, step: int, epoch: int) -> None:
-        """Every rank writes its stages' tensors (DCP); rank 0 then the small ``.pt`` naming them."""
+        """Every rank writes its stages' tensors (DCP; in the background with ``checkpoint.async_write``); rank 0
+        then the small ``.pt`` naming them (then: once every rank's write is done, ``Session.finish_shards``)."""
         from cyclone_kit.runtime import checkpoint as ckpt
         from cyclone_kit.runtime.checkpoint import fsdp as fsdp_ckpt
 
-        entries = pck.save_stages(self.session.checkpoint_dir, step, self.pipe.modules, self.optimizer)
+        folder, shards, staged_s = self.session.checkpoint_dir, None, 0.0
+        if self.async_shards:
+            # The previous stages' .pt first: at most one write in flight, and its prune never meets these.
+            self.session.finish_shards(before=step)
+            t0 = time.perf_counter()
+            entries, shards = pck.start_stages(folder, step, self.pipe.modules, self.optimizer)
+            staged_s = time.perf_counter() - t0
+        else:
+            entries = pck.save_stages(folder, step, self.pipe.modules, self.optimizer)
         rngs = self.session.gather_to_main(ckpt.capture_rng())
         state: dict[str, Any] | None = None
         if self.env.is_main:
@@ -631,6 +643,9 @@ class _Loop(SegmentLoop):
             }
             if self.scaler is not None:
                 state["loss_scale"] = self.scaler.state_dict()
+        if shards is not None:  # the .pt once every rank's stages are written (session.finish_shards)
+            self.session.save_after_shards(state, step, shards, after_write=fsdp_ckpt.prune, staged_s=staged_s)
+            return
         self.session.save(state, step, after_write=fsdp_ckpt.prune)
 
     def resume(self, found: tuple[dict[str, Any], Path]) -> int:
