@@ -8,10 +8,11 @@ make by itself; the product's code is untouched (the patches wrap names it looks
   loader sends NHWC batches, the stages hold NHWC weights);
 * ``clock``: every read of the pipeline's stage clock appends, to ``DIR/clock-rank-N.jsonl``, how many
   computations (forward / backward chunks) and schedule steps it collected since the last read;
-* ``slow_save``: the first ``torch.distributed.checkpoint.save`` of the rank (the shard write) sleeps
-  ``2 x bound + 1`` s, the bound being the rank's own progress watchdog's (a slow shared file system
-  slower than the stall bound, on any machine); what it slept and the bound go to
-  ``DIR/slow-save-rank-N.json``.
+* ``slow_save``: the rank's first DCP write of its stages takes ``2 x bound + 1`` s more, the bound being the
+  rank's own progress watchdog's (a slow shared file system slower than the stall bound, on any machine):
+  a blocking ``torch.distributed.checkpoint.save`` sleeps that long first; an ``async_save``'s future
+  completes that long after its write did (the rank waits for it at its next checkpoint or at the end);
+  what it slept and the bound go to ``DIR/slow-save-rank-N.json``.
 """
 
 from __future__ import annotations
@@ -76,29 +77,56 @@ def count_clock(run_dir: Path) -> None:
 
 
 def slow_first_save(run_dir: Path) -> None:
-    """The rank's first DCP save sleeps past its progress watchdog's bound."""
+    """The rank's first DCP write (blocking or in the background) takes its progress watchdog's bound twice."""
+    import concurrent.futures
+    import threading
+
     import torch.distributed.checkpoint as dcp
 
     from cyclone_kit.runtime import session as session_mod
 
     watches: list[Any] = []
-    start_watch, save = session_mod.start_watch, dcp.save
+    start_watch, save, async_save = session_mod.start_watch, dcp.save, dcp.async_save
+    record = run_dir / f"slow-save-rank-{_rank()}.json"
+    started: list[bool] = []  # the first write was started (the record is written when it has slept)
 
     def keep_watch(session: Any) -> Any:
         watch = start_watch(session)
         watches.append(watch)
         return watch
 
+    def sleep_past_the_bound() -> None:
+        bound = watches[0].bound() if watches and watches[0] else None
+        sleep_s = 2 * (bound or 0.0) + 1.0
+        time.sleep(sleep_s)
+        record.write_text(json.dumps({"bound_s": bound, "slept_s": sleep_s}))
+
     def slow_save(*args: Any, **kwargs: Any) -> Any:
-        if not (run_dir / f"slow-save-rank-{_rank()}.json").exists():
-            bound = watches[0].bound() if watches and watches[0] else None
-            sleep_s = 2 * (bound or 0.0) + 1.0
-            time.sleep(sleep_s)
-            (run_dir / f"slow-save-rank-{_rank()}.json").write_text(json.dumps({"bound_s": bound,
-                                                                                "slept_s": sleep_s}))
+        if not started:
+            started.append(True)
+            sleep_past_the_bound()
         return save(*args, **kwargs)
 
-    session_mod.start_watch, dcp.save = keep_watch, slow_save
+    def slow_async_save(*args: Any, **kwargs: Any) -> Any:
+        future = async_save(*args, **kwargs)
+        if started:
+            return future
+        started.append(True)
+        slow: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def finish() -> None:
+            try:
+                result = future.result()
+            except BaseException as e:  # the write's own failure, passed on
+                slow.set_exception(e)
+                return
+            sleep_past_the_bound()
+            slow.set_result(result)
+
+        threading.Thread(target=finish, name="slow-save", daemon=True).start()
+        return slow
+
+    session_mod.start_watch, dcp.save, dcp.async_save = keep_watch, slow_save, slow_async_save
 
 
 def main(argv: list[str]) -> int:

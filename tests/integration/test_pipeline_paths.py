@@ -99,12 +99,15 @@ def test_validation_forwards_are_not_counted_as_stage_compute(tmp_path: Path) ->
         assert windows[1:] == [{"computations": 2 * MICROBATCHES, "steps": 1}] * 9, f"rank {rank}: {windows}"
 
 
-def test_a_shard_write_slower_than_the_stall_bound_is_no_stall(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_write", [True, False], ids=["background", "blocking"])
+def test_a_shard_write_slower_than_the_stall_bound_is_no_stall(tmp_path: Path, async_write: bool) -> None:
     """Bug 5: only rank 0's ``.pt`` write was excluded from the progress watchdog; a DCP shard write
     longer than the bound was taken for a stall (exit 124, failure.json). Here every rank's first
-    shard write (step 5) sleeps twice its armed bound: the run completes, both checkpoints written."""
+    shard write (step 5) takes twice its armed bound more: blocking, the step-5 checkpoint itself waits;
+    in the background (the default), the step-6 checkpoint waits for it. The run completes, both
+    checkpoints written."""
     run = tmp_path / "slow-save"
-    write_spec(run, steps=6, checkpoint={"every_steps": 5, "stall_floor_s": 3.0}, **PIPE)
+    write_spec(run, steps=6, checkpoint={"every_steps": 5, "stall_floor_s": 3.0, "async_write": async_write}, **PIPE)
     _run(run, "slow_save")
     for rank in range(2):
         slow = json.loads((run / f"slow-save-rank-{rank}.json").read_text())
