@@ -90,23 +90,6 @@ def start_sharded(folder: Path, step: int, model: nn.Module, optimizer: Any) -> 
     return _entries(step), future
 
 
-def shards_in_background(is_main: bool) -> bool:
-    """Whether this torch writes sharded checkpoints (FSDP's shards, a pipeline's stages) in the background
-    (``async_save`` with a ``process_group``); if not, one line (``is_main``: this rank says it) says they are
-    written blocking."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from cyclone_kit.runtime.dist import warn
-    from cyclone_kit.runtime.torchcompat import dcp_async_line, has_dcp_async_save
-
-    if has_dcp_async_save(dcp):
-        return True
-    if is_main:
-        warn(dcp_async_line(torch.__version__))
-    return False
-
-
 def is_sharded(state: dict[str, Any]) -> bool:
     """True for the ``.pt`` state of a sharded checkpoint."""
     return state.get("optimizer_format") == FORMAT

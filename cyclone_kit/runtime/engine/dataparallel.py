@@ -39,7 +39,6 @@ from cyclone_kit.rundir.layout import RunDir
 from cyclone_kit.runtime import checkpoint as ckpt
 from cyclone_kit.runtime import phases as ph
 from cyclone_kit.runtime import power
-from cyclone_kit.runtime.checkpoint.fsdp import shards_in_background
 from cyclone_kit.runtime.dist import DeviceChoice, warn, worker_cpus
 from cyclone_kit.runtime.engine.data import Data, auto_workers, build_data
 from cyclone_kit.runtime.engine.loop import (
@@ -59,6 +58,7 @@ from cyclone_kit.runtime.engine.plan import (
     make_plan,
     resolve_precision,
     seed_everything,
+    shards_in_background,
 )
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.session import Session, gather_hosts, gather_to_main, open_session

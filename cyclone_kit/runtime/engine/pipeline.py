@@ -51,7 +51,6 @@ from cyclone_kit.core.errors import ValidationError
 from cyclone_kit.rundir.contract import pipeline_step_fields
 from cyclone_kit.runtime import torchcompat
 from cyclone_kit.runtime.checkpoint import pipeline as pck
-from cyclone_kit.runtime.checkpoint.fsdp import shards_in_background
 from cyclone_kit.runtime.dist import side_group, warn, worker_cpus
 from cyclone_kit.runtime.engine import pipeline_split as split
 from cyclone_kit.runtime.engine.data import auto_workers, build_data
@@ -64,6 +63,7 @@ from cyclone_kit.runtime.engine.plan import (
     make_plan,
     resolve_precision,
     seed_everything,
+    shards_in_background,
 )
 from cyclone_kit.runtime.env import DistEnv
 from cyclone_kit.runtime.session import Session, open_session

@@ -1,7 +1,8 @@
 """The training plan both engines share (the DDP loop and the pipeline): schedule maths and the segment start.
 
 Pure (:func:`scaled_lr`, :func:`lr_factor`, :func:`make_plan`, :func:`resolve_precision`) except
-:func:`seed_everything` (the RNGs) and :func:`begin_segment` (the session's ``start`` record).
+:func:`seed_everything` (the RNGs), :func:`begin_segment` (the session's ``start`` record) and
+:func:`shards_in_background` (what this torch can do, said once).
 The learning rate is scaled by the global batch (Goyal et al. 2017), warmed up linearly, then
 follows a cosine decay.
 """
@@ -153,6 +154,22 @@ def configure_backends(train: TrainConfig, device_kind: str) -> None:
         torch.backends.cudnn.benchmark = False
     elif device_kind == "cuda":
         torch.backends.cudnn.benchmark = True
+
+
+def shards_in_background(is_main: bool) -> bool:
+    """Whether this torch writes DCP checkpoints (FSDP's shards, a pipeline's stages) in the background
+    (``async_save`` with a ``process_group``); if not, one line (on the rank where ``is_main``) says they are
+    written blocking."""
+    import torch.distributed.checkpoint as dcp
+
+    from cyclone_kit.runtime.dist import warn
+    from cyclone_kit.runtime.torchcompat import dcp_async_line, has_dcp_async_save
+
+    if has_dcp_async_save(dcp):
+        return True
+    if is_main:
+        warn(dcp_async_line(torch.__version__))
+    return False
 
 
 def seed_everything(seed: int) -> None:
