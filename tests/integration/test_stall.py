@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from cyclone_kit.runtime.watchers import stall as pg
 from tests.helpers.cli import REPO, run_cli
 
 pytestmark = pytest.mark.slow
@@ -94,7 +95,7 @@ def test_a_rank_hung_at_a_step_is_named_with_its_stack(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("floor_s", "pg_timeout_s"), [
     pytest.param(FLOOR_S, 60, id="floor"),
     # a floor past the process group's timeout: rank 0's all-reduce would time out first (the run failing as
-    # rank_failed, nobody named) unless the watchdog holds its bound below the timeout (0.75 x 30 s)
+    # rank_failed, nobody named) unless the watchdog holds its bound below the timeout (COLLECTIVE_SHARE x 30 s)
     pytest.param(100, 30, id="held-below-the-collective-timeout"),
 ])
 def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path, floor_s: int, pg_timeout_s: int) -> None:
@@ -139,7 +140,7 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path, floor
     record = json.loads((run_dir / "ranks" / "error-rank-00001.json").read_text())
     assert record["source"] == "peer-watchdog" and record["type"] == "Stalled", record
     waiter = json.loads((run_dir / "progress" / "rank-00000.json").read_text())
-    assert waiter["ceiling_s"] == 0.75 * pg_timeout_s and waiter["bound_s"] <= waiter["ceiling_s"], waiter
+    assert waiter["ceiling_s"] == pg.COLLECTIVE_SHARE * pg_timeout_s and waiter["bound_s"] <= waiter["ceiling_s"], waiter
     if floor_s > waiter["ceiling_s"]:
         assert waiter["bound_s"] == waiter["ceiling_s"], waiter
     _ended_in_time(run_dir, 1)
@@ -275,9 +276,9 @@ dist.destroy_process_group()
 
 def test_the_bound_stays_below_the_timeout_of_a_group_the_script_made(tmp_path: Path) -> None:
     """A script that calls ``init_process_group`` itself (torchrun + a plain script, Lightning, Accelerate) gets
-    the same ceiling as the engine's group: 0.75 x the timeout torch reports for it (40 s here), so that its
+    the same ceiling as the engine's group: COLLECTIVE_SHARE (0.6) x the timeout torch reports for it (40 s here), so that its
     peers' collectives do not time out before a stopped rank is named."""
     from tests.helpers.child_ranks import run_child_ranks
 
     outs = run_child_ranks(OWN_GROUP, 2, str(tmp_path / "run"))
-    assert all("CEILING 30.0" in out for out in outs), outs
+    assert all(f"CEILING {pg.COLLECTIVE_SHARE * 40}" in out for out in outs), outs

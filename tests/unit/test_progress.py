@@ -43,8 +43,8 @@ def test_bound_stays_below_the_process_groups_timeout() -> None:
     assert pg.stall_bound(policy, [0.1, 0.1, 0.1]) == 6, "below the ceiling the rule is unchanged"
     assert pg.stall_bound(pg.StallPolicy.below_collectives(60, 20, 60), [0.1] * 3) == policy.ceiling_s, "floor too"
     assert pg.StallPolicy.below_collectives(60, 20, None).ceiling_s is None, "a world of one: no collective"
-    held = {"bound_s": 45.0, "floor_s": 6, "factor": 20, "median_step_s": 3.5, "ceiling_s": 45.0}
-    assert pg.describe_bound(held).startswith("bound 45.0 s = 0.75 x the process group's timeout, below max(")
+    held = {"bound_s": 36.0, "floor_s": 6, "factor": 20, "median_step_s": 3.5, "ceiling_s": 36.0}
+    assert pg.describe_bound(held).startswith("bound 36.0 s = 0.6 x the process group's timeout, below max(")
     assert pg.describe_bound({**held, "bound_s": 6.0, "median_step_s": 0.1}) == (
         "bound 6.0 s = max(checkpoint.stall_floor_s 6 s, 20 x median step 0.100 s)")
 
