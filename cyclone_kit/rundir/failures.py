@@ -387,21 +387,30 @@ def segment_history(run_dir: Path) -> list[dict[str, Any]]:
     return segments
 
 
+#: Accounting states that name a cause from outside the job; they win over its own failure record.
+OUTSIDE_STATES = frozenset({"NODE_FAIL", "PREEMPTED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+
+
 def segment_label(segment: Mapping[str, Any], slurm_state: str | None = None) -> str:
     """``NODE_FAIL on c2``, ``STALLED on c1``, ``PREEMPTED``, ``completed``: what ended a segment (pure).
 
-    ``slurm_state`` is what accounting says about that run of the job (sacct ``--duplicates``);
-    it wins where it says more than ``REQUEUED``. The host comes from the segment's failure record.
+    ``slurm_state`` is what accounting says about that run of the job (sacct ``--duplicates``).
+    A cause from outside the job (:data:`OUTSIDE_STATES`: a node failure, a preemption, the time
+    limit, memory) wins over the segment's failure record; CANCELLED or FAILED are how our own end
+    of a stalled step looks to Slurm (accounting has said CANCELLED for a requeued run), so the
+    record's cause wins over them. The host comes from the segment's failure record.
     """
     failure = segment.get("failure") or {}
     cause = failure.get("cause")
     state = (slurm_state or "").split()[0].upper() if slurm_state else ""
     if segment.get("status") == "completed" and not failure:
         return "completed"
-    if state and state not in ("REQUEUED", "COMPLETED", "RUNNING", "PENDING"):
+    if state in OUTSIDE_STATES:
         label = state
     elif cause in ("stalled", "rank_lost", "rank_failed"):
         label = {"stalled": "STALLED", "rank_lost": "RANK_LOST", "rank_failed": "FAILED"}[cause]
+    elif state and state not in ("REQUEUED", "COMPLETED", "RUNNING", "PENDING"):
+        label = state
     elif segment.get("status") in ("preempted", "cancelled", "failed"):
         label = str(segment["status"]).upper()
     else:

@@ -524,5 +524,22 @@ def test_a_requeued_run_is_judged_by_its_last_segment(tmp_path: Path) -> None:
     assert line == "completed (3 segments: RANK_LOST on c2, PREEMPTED on c2, then completed)", line
 
 
+def test_accounting_names_a_segment_only_where_the_cause_came_from_outside_the_job() -> None:
+    """A stalled, requeued run that accounting recorded as CANCELLED (seen on a loaded CI machine):
+    the run's own record says why; a node failure, preemption or time limit says more than it."""
+    stalled = {"status": "failed", "failure": {"cause": "stalled", "host": "c2"}}
+    done = {"status": "completed", "failure": None}
+    for state in ("CANCELLED by 0", "FAILED", "REQUEUED", ""):
+        assert failures.history_line([stalled, done], [state, "COMPLETED"]) == (
+            "completed (2 segments: STALLED on c2, then completed)"), state
+    for state in sorted(failures.OUTSIDE_STATES):
+        assert failures.history_line([stalled, done], [state, "COMPLETED"]) == (
+            f"completed (2 segments: {state} on c2, then completed)"), state
+    # no record of its own: accounting's word stands
+    ended = {"status": None, "failure": None}
+    assert failures.history_line([ended, done], ["CANCELLED by 0", "COMPLETED"]) == (
+        "completed (2 segments: CANCELLED, then completed)")
+
+
 def test_one_segment_has_no_history() -> None:
     assert failures.history_line([{"status": "completed", "failure": None}]) is None
