@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
-# The full test suite, as `make test` runs it, in two phases that keep both cores busy:
-#   phase 1: the integration tier (CPU-bound: real gloo ranks) beside the "early" Slurm files (SLURM_EARLY); the
-#            notebook's test (EARLY_BESIDE) and then the unit tier, each in whichever of the two is free first;
-#   phase 2: the rest of the Slurm tier beside the "beside" integration files (BESIDE), the last of which
-#            (BESIDE_LATE) run in whichever of the two is free first.
+# The full test suite, as `make test` runs it, in three streams that keep both cores busy:
+#   the integration tier (CPU-bound: real gloo ranks), then the next tiers of QUEUE;
+#   the "early" Slurm files (SLURM_EARLY: mostly the scheduler's waits), then the next tiers of QUEUE;
+#   the unit tier (pytest alone, ~55 CPU-s) in the room the two others leave.
+# QUEUE: the notebook's test (EARLY_BESIDE), the rest of the Slurm tier (after the early Slurm files), the
+# "beside" integration files (BESIDE), the last of them (BESIDE_LATE); each taken by whichever stream is free.
 #
 # Why this shape (issue 27, measured with tests/helpers/cpu_time.py's CPU seconds and each tier's "cores busy"):
 # the integration tier alone keeps the cores ~73 % busy; the Slurm tier alone ~45 %, its wall time mostly the
 # scheduler's waits (Slurm's 60-120 s signal window, requeues, a lost node's detection) and not CPU. Both whole
 # tiers side by side ran 1.9-2.5x slower each (2,103 s on a fresh CI machine), one after the other 1,881 s.
-# So each phase pairs CPU-bound work with wait-bound work: the Slurm files whose time is mostly waiting
-# (SLURM_EARLY: ~700 s of wall, little CPU) run beside the integration tier, and the Slurm files with more
-# CPU in their jobs (the pipeline's 8-rank ResNet-18 jobs, the published examples) beside the integration files
-# that ask little CPU for their wall time (a CLI a test, users' scripts through the shim, a made slow link or file
-# system; ~280 CPU-s). The early branch of phase 1 ended 54-128 s before the integration tier in three fresh runs
-# (at 650d9fe) while the unit tier, first in phase 2, kept the cores only 71-75 % busy: the unit tier (~55 CPU-s,
-# no process of its own beyond pytest) now fills the end of phase 1 with the notebook's test, in the stream that
-# ends its own files first. The two Slurm runs never overlap (phase 2
-# starts when phase 1 has ended), so no test's jobs queue behind another run's. Each pytest run writes its own
-# log, printed whole when all have ended (never two runs' lines mixed); the suite fails if any run failed.
+# So CPU-bound work runs beside wait-bound work: the Slurm files whose time is mostly waiting run beside the
+# integration tier, and the Slurm files with more CPU in their jobs (the pipeline's 8-rank ResNet-18 jobs, the
+# published examples) beside the integration files that ask little CPU for their wall time (a CLI a test,
+# users' scripts through the shim, a made slow link or file system; ~280 CPU-s). Until 974b765 the suite ran
+# in two phases with a barrier between them: on the CI machine phase 1 kept the cores 84-85 % busy and its
+# end (the unit tier alone, one pytest process) 44 %, ~50 s of one idle core. The two Slurm runs never overlap,
+# so no test's jobs queue behind another run's. Each pytest run writes its own log, printed whole when all have
+# ended (never two runs' lines mixed); the suite fails if any run failed.
 # No test needs the machine to itself: a test whose verdict needs a condition (a slow link, a slow file system,
 # a late rank) makes it (tests/helpers/slow_parts.py), so its verdict holds beside other tests' ranks.
 #
@@ -37,13 +36,13 @@ BESIDE=(test_bad_input test_scripts_local test_script_launch_env test_published_
         test_script_folder_local test_script_cli test_report_cli test_cli test_doctor_cli test_submitit_plan
         test_rendered_scripts_parse test_injection test_contract test_report_time_to_solution test_sweep_local
         test_submitit_local test_api_scripts test_local_plan test_diagnosis test_gpu_check)
-# Slurm files that run beside the integration tier (phase 1): their time is mostly the scheduler's waits.
+# Slurm files that run beside the integration tier: their time is mostly the scheduler's waits.
 SLURM_EARLY=(test_requeue test_stall_slurm test_restart_in_job test_api_slurm test_sweep_slurm test_faults
              test_container_slurm test_concurrency test_cost_slurm test_status_logs)
-# Integration files that end phase 1 (in whichever stream is free first).
+# Integration files first in QUEUE (in whichever stream is free first).
 EARLY_BESIDE=(test_notebook)
-# BESIDE files that end phase 2 (~100 s of its ~350-410 s), in whichever stream is free first: the Slurm tier or
-# the other BESIDE files. They start no Slurm job, so they may also run beside the rest of BESIDE.
+# BESIDE files last in QUEUE (~100 s of BESIDE's ~350-410 s), in whichever stream is free first: the Slurm
+# tier's or the other BESIDE files'. They start no Slurm job, so they may also run beside the rest of BESIDE.
 BESIDE_LATE=(test_bad_input test_sweep_local test_local_plan)
 beside=() ignored=() early=() late_ignored=() early_beside=() beside_late=()
 for f in "${EARLY_BESIDE[@]}"; do
@@ -107,33 +106,46 @@ tier() {  # tier NAME PATH...: one pytest run, its output in NAME.log and its ex
          >"$logs/$name.end"
 }
 
-# The end of phase 1: the notebook's test, then the unit tier, each taken by whichever stream of phase 1 is free
-# first (mkdir claims it: atomic), so that a machine on which one stream runs late does not leave the other idle.
-flex() {
-    if mkdir "$logs/claim-early-beside" 2>/dev/null; then
-        if [ ${#early_beside[@]} -gt 0 ]; then tier early-beside "${early_beside[@]}"
-        else echo 0 >"$logs/early-beside.rc"; fi
-    fi
-    if mkdir "$logs/claim-unit" 2>/dev/null; then tier unit tests/unit; fi
+# When the integration tier or the early Slurm files end, their stream takes the next tier of QUEUE (mkdir
+# claims it: atomic), so neither core waits for the other stream. The rest of the Slurm tier waits for the
+# early Slurm files (a stream that finds it not ready takes the next tier, or waits a second and looks again).
+QUEUE=(early-beside slurm beside beside-late)
+ready() { [ "$1" != slurm ] || [ -f "$logs/early-slurm.rc" ]; }
+run_item() {
+    case $1 in
+        early-beside) if [ ${#early_beside[@]} -gt 0 ]; then tier early-beside "${early_beside[@]}"
+                      else echo 0 >"$logs/early-beside.rc"; fi ;;
+        slurm) tier slurm tests/slurm "${late_ignored[@]}" ;;
+        beside) if [ ${#beside[@]} -gt 0 ]; then tier beside "${beside[@]}"; else echo 0 >"$logs/beside.rc"; fi ;;
+        beside-late) if [ ${#beside_late[@]} -gt 0 ]; then tier beside-late "${beside_late[@]}"
+                     else echo 0 >"$logs/beside-late.rc"; fi ;;
+    esac
+}
+next_tiers() {  # take QUEUE's tiers in order until none is left; one not ready yet is waited for or passed
+    local item left
+    while :; do
+        left=0
+        for item in "${QUEUE[@]}"; do
+            [ -d "$logs/claim-$item" ] && continue
+            left=1
+            if ready "$item" && mkdir "$logs/claim-$item" 2>/dev/null; then
+                run_item "$item"
+                continue 2
+            fi
+        done
+        [ "$left" -eq 0 ] && return
+        sleep 1
+    done
 }
 
 started=$(date +%s)
-# phase 1 (in the background, so that a stop from outside is acted on at once)
-( tier integration tests/integration "${ignored[@]}"; flex ) &
+# in the background, so that a stop from outside is acted on at once
+( tier integration tests/integration "${ignored[@]}"; next_tiers ) &
 pids+=($!)
-( if [ ${#early[@]} -gt 0 ]; then tier early-slurm "${early[@]}"; else echo 0 >"$logs/early-slurm.rc"; fi; flex ) &
+( if [ ${#early[@]} -gt 0 ]; then tier early-slurm "${early[@]}"; else echo 0 >"$logs/early-slurm.rc"; fi
+  next_tiers ) &
 pids+=($!)
-wait
-# phase 2
-late() {  # the end of phase 2, as flex() ends phase 1
-    if mkdir "$logs/claim-beside-late" 2>/dev/null; then
-        if [ ${#beside_late[@]} -gt 0 ]; then tier beside-late "${beside_late[@]}"
-        else echo 0 >"$logs/beside-late.rc"; fi
-    fi
-}
-( tier slurm tests/slurm "${late_ignored[@]}"; late ) &
-pids+=($!)
-( if [ ${#beside[@]} -gt 0 ]; then tier beside "${beside[@]}"; else echo 0 >"$logs/beside.rc"; fi; late ) &
+( tier unit tests/unit ) &
 pids+=($!)
 wait
 

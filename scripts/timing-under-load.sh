@@ -5,8 +5,8 @@
 # usage: scripts/timing-under-load.sh PYTHON [RUNS]      (default 3; the local Slurm cluster must be up:
 #                                                          `make slurm-up`; `make timing-under-load` does both)
 #
-# Each round runs the integration files and the Slurm files below side by side (as phase 1 of
-# scripts/run-tests.sh pairs them) while one more process spins a core the whole time, so every rank,
+# Each round runs the integration files and the Slurm files below side by side (as the first two streams of
+# scripts/run-tests.sh pair them) while one more process spins a core the whole time, so every rank,
 # scheduler wait and watchdog runs on about half the CPU it gets in the suite. A file is here because its
 # verdict is about time or order across processes: a stall bound, a lost node's detection, a signal that
 # must land mid-run, a kill while a write is in flight, an input- or communication-bound diagnosis, ranks
