@@ -54,9 +54,9 @@ unit: setup
 	$(PY) -m pytest -q tests/unit
 
 # As root (CI) every tier must run: CK_REQUIRE_{SLURM,ACCOUNTING,HOROVOD,EXTRAS,DATA,CONTAINER}=1 turn their skips into
-# failures (tests/conftest.py). scripts/run-tests.sh runs the integration tier beside the Slurm files that mostly
-# wait (then the notebook's test and the unit tier), then the other Slurm files beside the integration files that
-# ask little CPU (each phase pairs CPU-bound with wait-bound work), and prints each tier's log whole, with what was
+# failures (tests/conftest.py). scripts/run-tests.sh runs the integration tier, the Slurm files that mostly wait and
+# the unit tier side by side; whichever stream is free first takes the notebook's test, the other Slurm files (after
+# the first ones) and the integration files that ask little CPU; it prints each tier's log whole, with what was
 # skipped.
 test: setup data slurm-up horovod container-image
 	$(PY) -m ruff check .
