@@ -16,7 +16,7 @@
 # So CPU-bound work runs beside wait-bound work: the Slurm files whose time is mostly waiting run beside the
 # integration tier, and the Slurm files with more CPU in their jobs (the pipeline's 8-rank ResNet-18 jobs, the
 # published examples) beside the integration files that ask little CPU for their wall time (a CLI a test,
-# users' scripts through the shim, a made slow link or file system; ~280 CPU-s). Until 974b765 the suite ran
+# users' scripts through the shim, a made slow link or file system; ~280 CPU-s). Until 6c4effa the suite ran
 # in two phases with a barrier between them: on the CI machine phase 1 kept the cores 84-85 % busy and its
 # end (the unit tier alone, one pytest process) 44 %, ~50 s of one idle core. The two Slurm runs never overlap,
 # so no test's jobs queue behind another run's. Each pytest run writes its own log, printed whole when all have
@@ -109,9 +109,9 @@ tier() {  # tier NAME PATH...: one pytest run, its output in NAME.log and its ex
          >"$logs/$name.end"
 }
 
-# When a stream's own tier ends, it takes the next tier of QUEUE (mkdir claims it: atomic), so no core
-# waits for another stream. The rest of the Slurm tier waits for the
-# early Slurm files (a stream that finds it not ready takes the next tier, or waits a second and looks again).
+# When a stream's own tier ends, it takes the next tier of QUEUE (mkdir claims it: atomic), so no core waits
+# for another stream. The rest of the Slurm tier waits for the early Slurm files: a stream that finds it not
+# ready takes the next tier, or waits a second and looks again.
 QUEUE=(early-beside slurm beside beside-late)
 ready() { [ "$1" != slurm ] || [ -f "$logs/early-slurm.rc" ]; }
 run_item() {
