@@ -1,8 +1,9 @@
 """Smoke tests of the benchmarks: each runs in its quick mode and prints its figures and ratios.
 
 Timing targets are NOT asserted here (the tests are not timed runs and the machine is shared), nor the
-size of any figure (a fresh run's quick sync/none ratio was 10 or more: a blocking save of the tiny CNN,
-fsync and all, against 10 steps of a few ms on a loaded machine; a figure is any signed number):
+size of any figure (a fresh run's quick sync/none ratio had more than one digit before the point, likely
+10 or more: a blocking save of the tiny CNN, fsync and all, against 10 steps of a few ms on a loaded
+machine; a figure here is any signed number):
 only that every benchmark runs end to end through the real launcher, runtime and torchrun, and
 that ``run_all.py`` reports every figure with a verdict and rewrites the results file, keeping
 its GPU section (bench/script_shim.py's own lines included: it runs once, here).
