@@ -233,25 +233,48 @@ def snapshot(state: Any, into: Any = None) -> Any:
     ``into``: an earlier snapshot of the same structure that nothing uses any more (its write is
     finished): a CPU tensor of the same shape, dtype and strides at the same place is reused
     (``copy_``) instead of allocating (and page-faulting in) a new one.
+
+    A CUDA tensor is copied into page-locked (pinned) host memory without a wait per tensor, and the
+    copies are waited for once, on each device involved, before this returns. On an H200, ResNet-50 with
+    SGD momentum (195 MiB in 481 tensors) took 158 ms as one synchronous pageable copy per tensor (1.2
+    GiB/s: more than a training step at batch 128), 5.8 ms this way (bench/snapshot_cuda.py). The pinned
+    buffers are reused through ``into`` at the next checkpoint.
     """
+    devices: set[torch.device] = set()
+    copy = _snapshot(state, into, devices)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()  # the copies ran on that stream, after the step's kernels
+    return copy
+
+
+def _snapshot(state: Any, into: Any, devices: set[torch.device]) -> Any:
+    """:func:`snapshot`'s walk; ``devices`` collects the CUDA devices whose copies are still in flight."""
     if isinstance(state, torch.Tensor):
         t = state.detach()
         if (isinstance(into, torch.Tensor) and into.device.type == "cpu" and into.layout == t.layout == torch.strided
                 and into.dtype == t.dtype and into.shape == t.shape and into.stride() == t.stride()
                 and not t.is_conj() and not t.is_neg()):
+            if t.is_cuda and into.is_pinned():
+                devices.add(t.device)
+                return into.copy_(t, non_blocking=True)
             return into.copy_(t)
+        if t.is_cuda and t.layout == torch.strided and not t.is_conj() and not t.is_neg():
+            out = torch.empty_like(t, device="cpu", pin_memory=True)  # the same strides (channels_last too)
+            if out.stride() == t.stride():
+                devices.add(t.device)
+                return out.copy_(t, non_blocking=True)
         return t.to("cpu", copy=True)
     if isinstance(state, dict):
         out = state.copy()
         old = into if isinstance(into, dict) else {}
         for key, value in state.items():
-            out[key] = snapshot(value, old.get(key))
+            out[key] = _snapshot(value, old.get(key), devices)
         if getattr(state, "__dict__", None):
             out.__dict__.update(state.__dict__)
         return out
     if isinstance(state, list | tuple) and (type(state) is list or type(state) is tuple):
         old_items = list(into) if isinstance(into, list | tuple) and len(into) == len(state) else [None] * len(state)
-        items = [snapshot(v, o) for v, o in zip(state, old_items, strict=True)]
+        items = [_snapshot(v, o, devices) for v, o in zip(state, old_items, strict=True)]
         return items if type(state) is list else tuple(items)
     return state
 
