@@ -259,8 +259,11 @@ def _snapshot(state: Any, into: Any, devices: set[torch.device]) -> Any:
                 return into.copy_(t, non_blocking=True)
             return into.copy_(t)
         if t.is_cuda and t.layout == torch.strided and not t.is_conj() and not t.is_neg():
-            out = torch.empty_like(t, device="cpu", pin_memory=True)  # the same strides (channels_last too)
-            if out.stride() == t.stride():
+            try:
+                out = torch.empty_like(t, device="cpu", pin_memory=True)  # the same strides (channels_last too)
+            except RuntimeError:  # no page-locked memory to be had (a limit of the node): the pageable copy
+                out = None
+            if out is not None and out.stride() == t.stride():
                 devices.add(t.device)
                 return out.copy_(t, non_blocking=True)
         return t.to("cpu", copy=True)
