@@ -106,8 +106,10 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path, floor
             "--set", "train.steps=1000000", "--set", "train.log_every=5", "--set", f"checkpoint.stall_floor_s={floor_s}",
             "--set", f"train.pg_timeout_s={pg_timeout_s}",
             # no validation pass and no checkpoint: the stop lands in a step (a pause, not a step, is not watched;
-            # a peer that stops there is left to the collective's timeout)
-            "--set", "train.val_samples=0", "--set", "checkpoint.every_steps=0"]
+            # a peer that stops there is left to the collective's timeout). val_every_epochs=0, not val_samples=0
+            # (which means the whole validation set): a fresh run's stop landed at step 64, smoke.toml's epoch end
+            # at ~20 ms a step, and rank 0 waited in validation's all-reduce until gloo's 60 s timeout
+            "--set", "train.val_every_epochs=0", "--set", "checkpoint.every_steps=0"]
     child = subprocess.Popen([sys.executable, "-m", "cyclone_kit", *argv], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
