@@ -36,9 +36,10 @@ from cyclone_kit.backends.local_env import (
     new_job_id,
     threads_per_rank,
 )
+from cyclone_kit.core import prefork
 from cyclone_kit.launchers import LOCAL
 from cyclone_kit.rundir import failures
-from cyclone_kit.rundir.entry import trainer_words
+from cyclone_kit.rundir.entry import TRAINER_MODULE, trainer_words
 from cyclone_kit.rundir.failures import read_error_record, signal_name
 from cyclone_kit.rundir.layout import FAILURE_FILE, LAUNCH_FILE, RunDir
 
@@ -325,18 +326,23 @@ def launch(
     follower = _Follower(rd.rank_log(0), echo) if echo is not None else None
     try:
         try:
+            for rank in range(len(envs)):
+                files += [open(rd.rank_log(rank, "out"), "ab"), open(rd.rank_log(rank, "err"), "ab")]  # noqa: SIM115
+            forked = _forked_ranks(argv, envs, files, cwd)
             for rank, env in enumerate(envs):
-                out = open(rd.rank_log(rank, "out"), "ab")  # noqa: SIM115 (closed in finally)
-                err = open(rd.rank_log(rank, "err"), "ab")  # noqa: SIM115
-                files += [out, err]
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE, env=env,
-                                        start_new_session=True, cwd=cwd)
+                out, err = files[2 * rank], files[2 * rank + 1]
+                if forked is not None:
+                    proc, pipe = forked[rank]
+                else:
+                    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.PIPE,
+                                            env=env, start_new_session=True, cwd=cwd)
+                    pipe = proc.stderr
                 procs.append(proc)
-                assert proc.stderr is not None
-                pumps.append(_ErrPump(proc.stderr, err))
+                assert pipe is not None
+                pumps.append(_ErrPump(pipe, err))
                 threading.Thread(target=_reap, args=(rank, proc, events), daemon=True).start()
             try:
-                _write_launch_record(run_dir, job_id, procs, ours, threads, argv, workdir)
+                _write_launch_record(run_dir, job_id, procs, ours, threads, argv, workdir, forked is not None)
             except OSError as e:  # a full disk: the ranks will say what failed; the launcher goes on
                 sys.stderr.write(f"cyclone_kit: warning: could not write {rd.launch}: {e.strerror or e}\n")
             if on_start is not None:
@@ -413,6 +419,28 @@ def launch(
         except OSError as e:  # a full disk: say so, and still report the root cause
             result = dataclasses.replace(result, record_error=_why(RunDir(run_dir).failure, e))
     return result
+
+
+def _forked_ranks(argv: Sequence[str], envs: Sequence[Mapping[str, str]], files: Sequence[IO[bytes]],
+                  cwd: Path | str | None) -> list[tuple[Any, IO[bytes]]] | None:
+    """The trainer's ranks forked from one process that imported torch once (:mod:`cyclone_kit.core.prefork`),
+    each with its stderr pipe; None where that is not possible (the caller starts fresh processes)."""
+    if not prefork.enabled(envs[0]) or list(argv[1:3]) != ["-m", TRAINER_MODULE]:
+        return None
+    pipes = [os.pipe() for _ in envs]
+    starts = [prefork.RankStart(args=tuple(argv[3:]), env=env, module=TRAINER_MODULE,
+                                cwd=None if cwd is None else str(cwd), stdout=files[2 * rank].fileno(),
+                                stderr=pipes[rank][1]) for rank, env in enumerate(envs)]
+    try:
+        forked = prefork.spawn(starts, python=argv[0], cwd=os.getcwd() if cwd is None else str(cwd))
+    finally:
+        for _, write_end in pipes:
+            os.close(write_end)
+    if forked is None:
+        for read_end, _ in pipes:
+            os.close(read_end)
+        return None
+    return [(proc, os.fdopen(read_end, "rb")) for proc, (read_end, _) in zip(forked, pipes, strict=True)]
 
 
 class _ErrPump:
@@ -533,10 +561,12 @@ def _write_launch_record(
     threads: int,
     argv: Sequence[str],
     cwd: str,
+    forked: bool = False,
 ) -> None:
-    """``launch.json``: the fake job id, the command, the working folder and every rank's pid, host and
-    the variables the launcher set on it (``envs``: :func:`~cyclone_kit.backends.local_env.launcher_variables`;
-    for ``status``, for tests, and to hold against a dry run's plan)."""
+    """``launch.json``: the fake job id, the command, the working folder, whether the ranks were forked from one
+    process that imported torch (:mod:`cyclone_kit.core.prefork`) and every rank's pid, host and the variables
+    the launcher set on it (``envs``: :func:`~cyclone_kit.backends.local_env.launcher_variables`; for ``status``,
+    for tests, and to hold against a dry run's plan)."""
     doc = {
         "schema": 1,
         "kind": "launch",
@@ -547,6 +577,7 @@ def _write_launch_record(
         "threads_per_rank": threads,
         "command": list(argv),
         "cwd": cwd,
+        "forked": forked,
         "ranks": [{"rank": r, "pid": p.pid, "host": envs[r]["SLURMD_NODENAME"], "env": dict(envs[r])}
                   for r, p in enumerate(procs)],
     }

@@ -6,9 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -48,19 +49,82 @@ def clean_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def start_ranks(run_dir: Path, world: int, env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
-    """Start ``world`` ranks of the runtime on run_dir (torchrun-style environment, plus ``env``)."""
+class ForkedRank:
+    """A rank forked by :mod:`cyclone_kit.core.prefork` (as the local launcher starts the trainer's ranks), with
+    what the tests use of :class:`subprocess.Popen`: its stdout and stderr go to temporary files that
+    ``communicate`` reads once it has ended (as text)."""
+
+    def __init__(self, proc: Any, out: IO[bytes], err: IO[bytes]) -> None:
+        self.proc, self._out, self._err = proc, out, err
+        self.pid = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.proc.wait(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.proc.wait(timeout)
+        texts = []
+        for f in (self._out, self._err):
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+            f.close()
+        return texts[0], texts[1]
+
+
+def popen_ranks(target: list[str], envs: list[dict[str, str]], cwd: Path = REPO) -> list[Any]:
+    """One process per environment running ``python TARGET`` (``[-m, MODULE, ARGS...]`` or ``[SCRIPT, ARGS...]``):
+    forked from one process that imported torch (:mod:`cyclone_kit.core.prefork`, what the local launcher does
+    for the trainer), or fresh ``subprocess.Popen`` ones with ``CYCLONE_PREFORK=0``. Popen-like, text output."""
+    from cyclone_kit.core import prefork
+
+    files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in envs]  # noqa: SIM115 (closed by communicate)
+    module, script = (target[1], None) if target[0] == "-m" else (None, target[0])
+    args = tuple(target[2:] if module else target[1:])
+    starts = [prefork.RankStart(args=args, env=env, module=module, script=script, cwd=str(cwd), stdout=out.fileno(),
+                                stderr=err.fileno(), new_session=False) for env, (out, err) in zip(envs, files, strict=True)]
+    forked = prefork.spawn(starts, cwd=str(cwd))
+    if forked is not None:
+        return [ForkedRank(proc, out, err) for proc, (out, err) in zip(forked, files, strict=True)]
+    for out, err in files:
+        out.close()
+        err.close()
+    return [subprocess.Popen([sys.executable, *target], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for env in envs]
+
+
+def rank_envs(world: int, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """The torchrun-style environments of ``world`` ranks on this host (none for a world of one), plus ``extra``."""
     port = free_port()
-    procs = []
-    extra = dict(env or {})
+    envs = []
     for rank in range(world):
-        env = {**clean_env(), **extra}
+        env = {**clean_env(), **(extra or {})}
         if world > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)],
-                                      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+        envs.append(env)
+    return envs
+
+
+def start_ranks(run_dir: Path, world: int, env: dict[str, str] | None = None) -> list[Any]:
+    """Start ``world`` ranks of the runtime on run_dir (torchrun-style environment, plus ``env``), forked as the
+    local launcher forks them (:func:`popen_ranks`)."""
+    return popen_ranks(["-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)], rank_envs(world, env))
 
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float = TIMEOUT_S) -> list[tuple[int, str, str]]:

@@ -149,9 +149,12 @@ def _note_signals():
     signal.signal = noting
 
 
-def _hold_fsyncs(pattern, nth, marker):
+def _hold_fsyncs(pattern, nth, marker, when=None):
     """Hold the ``nth`` fsync of a file whose name matches ``pattern`` until the test releases it
-    (the file is complete, not yet renamed or recorded); ``marker`` says which one is held."""
+    (the file is complete, not yet renamed or recorded); ``marker`` says which one is held (``%d``: the
+    rank). ``when`` is asked at the fsync, not here: a rank forked from the local launcher's fork server
+    (cyclone_kit.core.prefork) ran this file once, in the process it was forked from, with rank 0's
+    environment."""
     import os
     import re
 
@@ -167,8 +170,8 @@ def _hold_fsyncs(pattern, nth, marker):
         if name.match(os.path.basename(target)):
             seen[0] += 1
             release = os.path.join(HOLD_DIR, "release")
-            if seen[0] == nth and not os.path.exists(release):
-                _touch(os.path.join(HOLD_DIR, marker), target + "\\n")
+            if seen[0] == nth and not os.path.exists(release) and (when is None or when()):
+                _touch(os.path.join(HOLD_DIR, marker % _rank() if "%d" in marker else marker), target + "\\n")
                 _wait_for(release)
         return fsync(fd)
 
@@ -209,8 +212,9 @@ if HOLD_STEP is not None or HOLD_WRITE is not None:
     _note_signals()
 if HOLD_WRITE is not None:  # rank 0's checkpoint file
     _hold_fsyncs("^[.]ckpt-[0-9]+[.]pt[.][^.]+[.]tmp$", HOLD_WRITE, "writing")
-if HOLD_SHARD is not None and _fresh_segment() and HOLD_SHARD_RANK in (None, _rank()):
-    _hold_fsyncs("^__[0-9]+_[0-9]+[.]distcp$", HOLD_SHARD, "writing-shard-rank-%d" % _rank())  # a DCP shard
+if HOLD_SHARD is not None:  # a DCP shard, on rank HOLD_SHARD_RANK (all when None) of a fresh segment
+    _hold_fsyncs("^__[0-9]+_[0-9]+[.]distcp$", HOLD_SHARD, "writing-shard-rank-%d",
+                 when=lambda: _fresh_segment() and HOLD_SHARD_RANK in (None, _rank()))
 if _PATCHES:
     sys.meta_path.insert(0, _AfterImport(_PATCHES))
 '''

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ import pytest
 import torch
 
 from tests.helpers.gpu_choices_rank import CHOICES_VAR, OVERFLOW_VAR
-from tests.helpers.ranks import REPO, clean_env, final_params, finish, free_port, horovod_missing, records, write_spec
+from tests.helpers.ranks import REPO, final_params, finish, horovod_missing, popen_ranks, rank_envs, records, write_spec
 
 #: Hang guard of one case's segment (not a performance bound): ~10-30 s here on 2 busy cores.
 HANG_S = 400
@@ -104,24 +102,17 @@ def _spec(run: Path, case: Case, steps: int) -> None:
                   "synthetic_samples": per_step * STEPS})
 
 
-def _start(run: Path, case: Case, overflow: bool) -> list[subprocess.Popen[str]]:
-    port, procs = free_port(), []
+def _start(run: Path, case: Case, overflow: bool) -> list[Any]:
     choices = ",".join(case.choices + (("overflow",) if overflow else ()))
-    for rank in range(case.world):
-        env = {**clean_env(), CHOICES_VAR: choices, OVERFLOW_VAR: str(CKPT_STEP),
-               "TORCH_DISTRIBUTED_DEBUG": case.debug, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(HANG_S)}
-        if case.world > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case.world),
-                       LOCAL_WORLD_SIZE=str(case.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(DRIVER), "--run-dir", str(run)], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    envs = rank_envs(case.world, {CHOICES_VAR: choices, OVERFLOW_VAR: str(CKPT_STEP),
+                                  "TORCH_DISTRIBUTED_DEBUG": case.debug, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(HANG_S)})
+    return popen_ranks([str(DRIVER), "--run-dir", str(run)], envs)
 
 
 def _segment(runs: dict[str, Path], cases: dict[str, Case], steps: int | None, overflow: bool) -> dict[str, list[Any]]:
     """Run every case's ranks (``steps``: None = the case's full run), widest case first; a case starts
     when the ranks running leave room for it (``RANKS_AT_ONCE``), else after the oldest case running ends."""
-    running: dict[str, list[subprocess.Popen[str]]] = {}
+    running: dict[str, list[Any]] = {}
     results = {}
     for name, case in sorted(cases.items(), key=lambda kv: -kv[1].world):
         while running and sum(len(p) for p in running.values()) + case.world > RANKS_AT_ONCE:
