@@ -2,7 +2,8 @@
 
 ``make bench`` runs ``.venv/bin/python bench/run_all.py``. Benchmarks (each in its own process,
 one after the other, output streamed as it comes): cli_latency, analysis, overhead, phases_overhead, scaling_cpu,
-script_shim, api_cost, async_checkpoint, predict_accuracy (needs the local Slurm cluster; says so and skips without one).
+script_shim, api_cost, async_checkpoint, rank_start, predict_accuracy (needs the local Slurm cluster; says so and skips
+without one).
 bench/gpu_check.sh needs an NVIDIA GPU and is not run here; the GPU section and the notes section
 of RESULTS.md (between the ``gpu-check`` / ``notes`` markers) are kept as they are when the file
 is rewritten.
@@ -72,7 +73,7 @@ def commands(is_quick: bool) -> dict[str, list[str]]:
             "phases_overhead": [py, str(BENCH / "phases_overhead.py")],
             "scaling_cpu": [py, str(BENCH / "scaling_cpu.py")], "script_shim": [py, str(BENCH / "script_shim.py")],
             "api_cost": [py, str(BENCH / "api_cost.py")], "async_checkpoint": [py, str(BENCH / "async_checkpoint.py")],
-            "predict_accuracy": [py, str(BENCH / "predict_accuracy.py")]}
+            "rank_start": [py, str(BENCH / "rank_start.py")], "predict_accuracy": [py, str(BENCH / "predict_accuracy.py")]}
 
 
 def run_bench(name: str, argv: list[str], timeout: float) -> tuple[int, str, float]:
@@ -210,6 +211,13 @@ def parse(name: str, output: str) -> list[Figure]:
                 figs.append(Figure(name, "the same ratios on the training thread alone: time inside the saves, async "
                                    "/ sync; its CPU time per step, async / sync", f"{j['path_async']:.4f} / "
                                    f"{j['path_sync']:.3f}; {j['cpu_async']:.3f} / {j['cpu_sync']:.3f}", "", "INFO"))
+    elif name == "rank_start":
+        j = _json(output)
+        if j:
+            figs.append(Figure(name, f"local launcher, {j['nproc']} ranks and one step: CPU seconds, ranks forked from one "
+                               f"process that imported torch / fresh processes (CYCLONE_PREFORK=0; medians of {j['pairs']} "
+                               f"pairs: {j['cpu_forked_s']:.2f} / {j['cpu_fresh_s']:.2f} CPU-s; wall {j['wall_forked_s']:.2f}"
+                               f" / {j['wall_fresh_s']:.2f} s)", f"{j['ratio']:.3f}", f"<= {j['target']}", _v(j["met"])))
     elif name == "predict_accuracy":
         j = _json(output)
         skipped = next((x for x in output.splitlines() if x.startswith("predict_accuracy:") and "skipped" in x), None)
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", action="append",
                    choices=["cli_latency", "analysis", "overhead", "phases_overhead", "scaling_cpu", "script_shim",
-                            "api_cost", "async_checkpoint", "predict_accuracy"])
+                            "api_cost", "async_checkpoint", "rank_start", "predict_accuracy"])
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md")
     p.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")
     args = p.parse_args(argv)

@@ -207,25 +207,36 @@ def spawn(starts: Sequence[RankStart], *, python: str | None = None, env: Mappin
 
 def _spawn(starts: Sequence[RankStart], python: str | None, env: Mapping[str, str] | None, cwd: str | None,
            preload: Sequence[str]) -> list[Forked] | None:
-    fds = sorted({fd for s in starts for fd in (s.stdout, s.stderr, s.stdin) if fd is not None})
+    go_read, go_write = os.pipe()  # a rank runs only once this process knows its pid (one byte each)
+    fds = sorted({go_read, *(fd for s in starts for fd in (s.stdout, s.stderr, s.stdin) if fd is not None)})
     request = {
         "preload": list(preload),
+        "go": go_read,
         "ranks": [{"module": s.module, "script": s.script, "args": list(s.args), "env": dict(s.env), "cwd": s.cwd,
                    "stdout": s.stdout, "stderr": s.stderr, "stdin": s.stdin, "new_session": s.new_session}
                   for s in starts],
     }
     if not _subreaper(True):
+        os.close(go_read)
+        os.close(go_write)
         return None
     zygote = None
+    pids = None
     try:
         zygote = subprocess.Popen([python or sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env or starts[0].env),
                                   cwd=cwd or starts[0].cwd, pass_fds=fds, start_new_session=True)
         out, err = zygote.communicate(json.dumps(request).encode(), timeout=ANSWER_HANG_S)
         pids = json.loads(out.decode() or "null") if zygote.returncode == 0 else None
+        if isinstance(pids, list) and len(pids) == len(starts):
+            os.write(go_write, b"g" * len(pids))
     except (OSError, ValueError, subprocess.TimeoutExpired):
         pids, err = None, b""
     finally:
+        # Without its byte (an interrupt, a bad answer), a forked child reads end-of-file here and exits at once:
+        # no rank runs that this process does not know of.
+        os.close(go_write)
+        os.close(go_read)
         if zygote is not None and zygote.poll() is None:
             zygote.kill()
             zygote.wait()
@@ -250,7 +261,8 @@ def _serve() -> None:
     pids = []
     close = sorted({fd for r in request["ranks"] for fd in (r["stdout"], r["stderr"], r["stdin"]) if fd is not None})
     for rank in request["ranks"]:
-        rank["close"] = [fd for fd in close if fd > 2]
+        rank["close"] = [fd for fd in close if fd > 2 and fd != request["go"]]
+        rank["go"] = request["go"]
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -274,6 +286,18 @@ def _become(rank: Mapping[str, object]) -> None:
     for fd in rank["close"]:  # type: ignore[attr-defined]
         with contextlib.suppress(OSError):  # every rank's descriptors but its own three, now 0, 1 and 2
             os.close(int(fd))
+    # The zygote's pipes are closed now (0, 1 and 2 were replaced), so the caller reads its answer to the end;
+    # the rank waits for its byte, which the caller sends once it holds the pids (end-of-file: it never will).
+    go = int(rank["go"])  # type: ignore[call-overload]
+    while True:
+        try:
+            byte = os.read(go, 1)
+            break
+        except InterruptedError:
+            continue
+    os.close(go)
+    if not byte:
+        os._exit(1)
     environ = {str(k): str(v) for k, v in dict(rank["env"]).items()}  # type: ignore[call-overload]
     os.environ.clear()
     os.environ.update(environ)

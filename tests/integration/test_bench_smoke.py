@@ -51,7 +51,8 @@ def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_sect
                     r"scaling_cpu\s+2-rank efficiency, cyclone_kit .*: -?\d+\.\d{3}",
                     r"scaling_cpu\s+2-rank efficiency, torchrun",
                     r"scaling_cpu\s+process start to first step, 2 ranks, cyclone_kit: \d+\.\d\d s",
-                    r"async_checkpoint\s+step time, checkpoint every 5 steps in the background / none .*: -?\d+\.\d{3}"):
+                    r"async_checkpoint\s+step time, checkpoint every 5 steps in the background / none .*: -?\d+\.\d{3}",
+                    r"rank_start\s+local launcher, 2 ranks and one step: CPU seconds, ranks forked .*: -?\d+\.\d{3}"):
         assert re.search(r"^\s+(MET|MISSED|INFO)\s+" + pattern, summary, re.M), (pattern, summary)
     assert "FAILED" not in summary
     # the benchmarks' own lines: both throughputs and the ratio
@@ -66,6 +67,8 @@ def test_run_all_quick_prints_every_figure_with_a_verdict_and_keeps_the_gpu_sect
     # async_checkpoint: the step-time ratios against no checkpoints, in one run
     assert re.search(r"ratio async/none: -?\d+\.\d{3} .*target <= 1.01\s+(MET|MISSED)", out)
     assert re.search(r"ratio sync/none:\s+-?\d+\.\d{3}", out)
+    # rank_start: the local launcher's forked ranks against fresh ones, in one run
+    assert re.search(r"ratio forked/fresh CPU -?\d+\.\d{3} \(target <= 0.75\) (MET|MISSED)", out)
     assert re.search(r"target: >= 0.99\s+(MET|MISSED)", out) and re.search(r"torchrun's \+ 0.3 s\s+(MET|MISSED)", out)
     # the results file: rewritten with date, machine and table; the GPU section kept as it was
     text = results.read_text()

@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from cyclone_kit.core import prefork
-from tests.helpers.ranks import REPO
+from tests.helpers.ranks import REPO, alive
+from tests.helpers.slurm_jobs import wait_for
 
 PROBE = REPO / "tests" / "helpers" / "prefork_probe.py"
 #: Hang guard (not a performance bound): the zygote imports torch (~5 s on a busy 2-core machine).
@@ -119,3 +122,25 @@ def test_the_local_launcher_forks_the_trainer_s_ranks(tmp_path: Path) -> None:
     assert off.returncode == 0, off.stdout + off.stderr
     (off_dir,) = (tmp_path / "off").iterdir()
     assert json.loads((off_dir / "launch.json").read_text())["forked"] is False
+
+
+def test_a_forked_child_whose_caller_never_learned_its_pid_exits_without_running(tmp_path: Path) -> None:
+    """The zygote's protocol when the caller is interrupted before it holds the pids: it closes the go pipe
+    without a byte, and every forked child exits before it runs anything of its rank (no output)."""
+    go_read, go_write = os.pipe()
+    out_read, out_write = os.pipe()
+    rank = {"module": None, "script": str(PROBE), "args": [], "cwd": str(tmp_path), "stdout": out_write,
+            "stderr": out_write, "stdin": None, "new_session": True,
+            "env": {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PROBE_END": "exit:0"}}
+    zygote = subprocess.Popen([sys.executable, "-m", "cyclone_kit.core.prefork"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, pass_fds=(go_read, out_write), cwd=REPO)
+    answer, _ = zygote.communicate(json.dumps({"preload": [], "go": go_read, "ranks": [rank, rank]}).encode(),
+                                   timeout=HANG_S)
+    os.close(go_read)
+    os.close(out_write)
+    pids = json.loads(answer)
+    assert zygote.returncode == 0 and len(pids) == 2
+    os.close(go_write)  # the caller "was interrupted": no byte
+    with os.fdopen(out_read, "rb") as f:
+        assert f.read() == b"", "a child ran its rank"
+    wait_for(lambda: not any(alive(pid) for pid in pids), HANG_S, "the children to exit")
