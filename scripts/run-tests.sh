@@ -38,15 +38,18 @@ TIERS=(integration early-slurm early-beside slurm unit beside beside-late)
 BESIDE=(test_bad_input test_scripts_local test_script_launch_env test_published_lightning
         test_script_folder_local test_script_cli test_report_cli test_cli test_doctor_cli test_submitit_plan
         test_rendered_scripts_parse test_injection test_contract test_report_time_to_solution test_sweep_local
-        test_submitit_local test_api_scripts test_local_plan test_diagnosis test_gpu_check)
+        test_submitit_local test_api_scripts test_local_plan test_diagnosis test_gpu_check test_gpu_matrix)
 # Slurm files that run beside the integration tier: their time is mostly the scheduler's waits.
 SLURM_EARLY=(test_requeue test_stall_slurm test_restart_in_job test_api_slurm test_sweep_slurm test_faults
              test_container_slurm test_concurrency test_cost_slurm test_status_logs)
 # Integration files first in QUEUE (in whichever stream is free first).
 EARLY_BESIDE=(test_notebook)
-# BESIDE files last in QUEUE (~100 s of BESIDE's ~350-410 s), in whichever stream is free first: the Slurm
-# tier's or the other BESIDE files'. They start no Slurm job, so they may also run beside the rest of BESIDE.
-BESIDE_LATE=(test_bad_input test_sweep_local test_local_plan)
+# BESIDE files last in QUEUE (~100 s of BESIDE's ~350-410 s, and test_gpu_matrix: ~190 CPU-s), in whichever
+# stream is free first: the Slurm tier's or the other BESIDE files'. They start no Slurm job, so they may also run
+# beside the rest of BESIDE. test_gpu_matrix (its verdicts read no clock) moved here from the integration tier
+# once core.prefork had cut the tier's CPU (964 CPU-s; it was the long pole at 1,282 s while the stream that
+# took BESIDE ended at 841 s).
+BESIDE_LATE=(test_bad_input test_sweep_local test_local_plan test_gpu_matrix)
 beside=() ignored=() early=() late_ignored=() early_beside=() beside_late=()
 for f in "${EARLY_BESIDE[@]}"; do
     if [ -f "tests/integration/$f.py" ]; then

@@ -1,6 +1,10 @@
 """cyclone_kit.core.prefork: ranks forked from one process that imported torch become the caller's own
 children, each with its own environment, session, working directory, descriptors and exit status, as
-``subprocess.Popen`` would start them (the local launcher's trainer ranks are started this way)."""
+``subprocess.Popen`` would start them (the local launcher's trainer ranks are started this way).
+
+That ``cyclone-kit run`` forks the trainer's ranks (``launch.json``: ``"forked": true``) and starts them
+afresh under ``CYCLONE_PREFORK=0`` is held by bench/rank_start.py, which refuses a launch whose record says
+otherwise, in test_bench_smoke."""
 
 from __future__ import annotations
 
@@ -102,26 +106,6 @@ def test_no_fork_where_it_is_turned_off_or_a_gpu_is_visible_or_the_zygote_cannot
     assert not prefork.sees_no_gpu({}, dev=str(dev)) and not prefork.sees_no_gpu({"CUDA_VISIBLE_DEVICES": "0"}, dev=str(dev))
     assert prefork.sees_no_gpu({"CUDA_VISIBLE_DEVICES": ""}, dev=str(dev))
     assert prefork.sees_no_gpu({"CUDA_VISIBLE_DEVICES": "-1"}, dev=str(dev))
-
-
-def test_the_local_launcher_forks_the_trainer_s_ranks(tmp_path: Path) -> None:
-    """``cyclone-kit run`` of the built-in trainer: its ranks were forked (their command line is the zygote's)."""
-    from tests.helpers.cli import run_cli
-
-    run = tmp_path / "runs"
-    proc = run_cli("run", str(REPO / "jobs" / "smoke.toml"), "--nproc", "2", "--cpu", "--runs-dir", str(run),
-                   "--set", "train.steps=2", "--set", "train.val_every_epochs=0", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (run_dir,) = run.iterdir()
-    launch = json.loads((run_dir / "launch.json").read_text())
-    assert len(launch["ranks"]) == 2
-    assert launch["forked"] is True and len({r["pid"] for r in launch["ranks"]}) == 2
-    off = run_cli("run", str(REPO / "jobs" / "smoke.toml"), "--nproc", "2", "--cpu", "--runs-dir", str(tmp_path / "off"),
-                  "--set", "train.steps=2", "--set", "train.val_every_epochs=0", cwd=tmp_path,
-                  env={**os.environ, "CYCLONE_PREFORK": "0"})
-    assert off.returncode == 0, off.stdout + off.stderr
-    (off_dir,) = (tmp_path / "off").iterdir()
-    assert json.loads((off_dir / "launch.json").read_text())["forked"] is False
 
 
 def test_a_forked_child_whose_caller_never_learned_its_pid_exits_without_running(tmp_path: Path) -> None:
