@@ -2,13 +2,15 @@
 ``multiprocessing``'s forkserver and Android's zygote do it).
 
 Every rank of the built-in trainer pays ``import torch`` and ``torch._dynamo`` (the first optimizer
-step imports it): 3-4 CPU-seconds on a 2-core node, per rank, per start. The local launcher asks
+step imports it) and torchvision: about 4 CPU-seconds on a 2-core VM, per rank, per start. The local launcher asks
 :func:`spawn` for its ranks instead: one process (the *zygote*) imports :data:`PRELOAD` once, forks
 one child per rank and exits; each child becomes the rank (its own session, its own stdout/stderr,
 environment and working directory) and runs ``python -m MODULE ARGS`` in place. The launcher marks
 itself a child subreaper for the zygote's few seconds, so the ranks become its own children: it
 waits for them, signals their process groups and reads their exit status as before
-(:class:`Forked` answers what :class:`subprocess.Popen` does for that).
+(:class:`Forked` answers what :class:`subprocess.Popen` does for that). A child runs its rank only
+once the launcher holds its pid (a byte on a pipe); a launcher interrupted before that closes the
+pipe, and the children exit without running anything.
 
 What a fork changes against a fresh ``python``, and why the trainer does not see it: a library that
 reads an environment variable when it is loaded, and what runs at interpreter start-up
@@ -50,6 +52,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torchvision", "cyclon
 #: Hang guard of the zygote's answer (not a performance bound): its imports take ~5 s on a busy 2-core node.
 ANSWER_HANG_S = 600.0
 _PR_SET_CHILD_SUBREAPER = 36
+_SPAWN_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +210,14 @@ def spawn(starts: Sequence[RankStart], *, python: str | None = None, env: Mappin
 
 def _spawn(starts: Sequence[RankStart], python: str | None, env: Mapping[str, str] | None, cwd: str | None,
            preload: Sequence[str]) -> list[Forked] | None:
+    # One spawn at a time in a process: the subreaper mark is the process's, and a second spawn's end must not
+    # take it away while another zygote's children are still to be handed over.
+    with _SPAWN_LOCK:
+        return _spawn_locked(starts, python, env, cwd, preload)
+
+
+def _spawn_locked(starts: Sequence[RankStart], python: str | None, env: Mapping[str, str] | None, cwd: str | None,
+                  preload: Sequence[str]) -> list[Forked] | None:
     go_read, go_write = os.pipe()  # a rank runs only once this process knows its pid (one byte each)
     fds = sorted({go_read, *(fd for s in starts for fd in (s.stdout, s.stderr, s.stdin) if fd is not None)})
     request = {
