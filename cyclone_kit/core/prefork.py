@@ -29,12 +29,10 @@ Stdlib only: the zygote imports what it preloads by name.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import io
 import json
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -177,6 +175,8 @@ def sees_no_gpu(environ: Mapping[str, str], dev: str = "/dev") -> bool:
 
 def _subreaper(on: bool) -> bool:
     """Make this process the child subreaper of its descendants (Linux ``prctl``); False where refused."""
+    import ctypes  # here: the launcher's import of this module stays light
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0
@@ -323,6 +323,8 @@ def _become(rank: Mapping[str, object]) -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    import runpy
+
     args = [str(a) for a in rank["args"]]  # type: ignore[attr-defined]
     if rank["script"]:
         script = str(rank["script"])

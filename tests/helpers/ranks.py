@@ -15,6 +15,7 @@ import torch
 
 from cyclone_kit.config.job import spec_from_dict, spec_to_dict
 from cyclone_kit.config.toolbox import read_toml
+from cyclone_kit.core import prefork
 from cyclone_kit.runtime import checkpoint as ck
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,36 +50,17 @@ def clean_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
-class ForkedRank:
+class ForkedRank(prefork.Forked):
     """A rank forked by :mod:`cyclone_kit.core.prefork` (as the local launcher starts the trainer's ranks), with
-    what the tests use of :class:`subprocess.Popen`: its stdout and stderr go to temporary files that
-    ``communicate`` reads once it has ended (as text)."""
+    :class:`subprocess.Popen`'s ``communicate``: its stdout and stderr go to temporary files, read (as text)
+    once it has ended."""
 
-    def __init__(self, proc: Any, out: IO[bytes], err: IO[bytes]) -> None:
-        self.proc, self._out, self._err = proc, out, err
-        self.pid = proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.proc.wait(timeout)
-
-    def send_signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        self.proc.kill()
-
-    def terminate(self) -> None:
-        self.proc.terminate()
+    def __init__(self, pid: int, out: IO[bytes], err: IO[bytes]) -> None:
+        super().__init__(pid)
+        self._out, self._err = out, err
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        self.proc.wait(timeout)
+        self.wait(timeout)
         texts = []
         for f in (self._out, self._err):
             f.seek(0)
@@ -91,8 +73,6 @@ def popen_ranks(target: list[str], envs: list[dict[str, str]], cwd: Path = REPO)
     """One process per environment running ``python TARGET`` (``[-m, MODULE, ARGS...]`` or ``[SCRIPT, ARGS...]``):
     forked from one process that imported torch (:mod:`cyclone_kit.core.prefork`, what the local launcher does
     for the trainer), or fresh ``subprocess.Popen`` ones with ``CYCLONE_PREFORK=0``. Popen-like, text output."""
-    from cyclone_kit.core import prefork
-
     files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in envs]  # noqa: SIM115 (closed by communicate)
     module, script = (target[1], None) if target[0] == "-m" else (None, target[0])
     args = tuple(target[2:] if module else target[1:])
@@ -100,7 +80,7 @@ def popen_ranks(target: list[str], envs: list[dict[str, str]], cwd: Path = REPO)
                                 stderr=err.fileno(), new_session=False) for env, (out, err) in zip(envs, files, strict=True)]
     forked = prefork.spawn(starts, cwd=str(cwd))
     if forked is not None:
-        return [ForkedRank(proc, out, err) for proc, (out, err) in zip(forked, files, strict=True)]
+        return [ForkedRank(proc.pid, out, err) for proc, (out, err) in zip(forked, files, strict=True)]
     for out, err in files:
         out.close()
         err.close()
