@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `make demo`: a local strong-scaling study (1 and 2 CPU processes, tiny CNN) and its scaling report.
 # Real Fashion-MNIST when Debian's dataset-fashion-mnist is installed, synthetic images otherwise.
-# Usage: scripts/demo.sh [RUNS_DIR]   (default: runs); PYTHON=... picks the interpreter.
+# Usage: scripts/demo.sh [RUNS_DIR [SWEEP OPTIONS...]]   (default: runs); PYTHON=... picks the interpreter.
+# SWEEP OPTIONS go to `cyclone-kit sweep` after the demo's own, so they win: e.g. a smaller study,
+#   scripts/demo.sh runs --set train.dataset=synthetic --set train.synthetic_samples=2048
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +12,7 @@ if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 RUNS="${1:-runs}"
+shift $(( $# > 0 ? 1 : 0 ))
 DATA=/usr/share/datasets/fashion-mnist
 ARGS=()
 if [ -f "$DATA/train-images-idx3-ubyte.gz" ] || [ -f "$DATA/train-images-idx3-ubyte" ]; then
@@ -21,7 +24,7 @@ fi
 
 start=$(date +%s)
 status=0
-"$PY" -m cyclone_kit sweep jobs/demo_strong.toml --backend local --runs-dir "$RUNS" --quiet "${ARGS[@]}" || status=$?
+"$PY" -m cyclone_kit sweep jobs/demo_strong.toml --backend local --runs-dir "$RUNS" --quiet "${ARGS[@]}" "$@" || status=$?
 study=$(ls -1dt "$RUNS"/demo-strong-* 2>/dev/null | head -n 1 || true)
 echo
 if [ -z "$study" ]; then

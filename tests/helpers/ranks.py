@@ -73,19 +73,28 @@ def popen_ranks(target: list[str], envs: list[dict[str, str]], cwd: Path = REPO)
     """One process per environment running ``python TARGET`` (``[-m, MODULE, ARGS...]`` or ``[SCRIPT, ARGS...]``):
     forked from one process that imported torch (:mod:`cyclone_kit.core.prefork`, what the local launcher does
     for the trainer), or fresh ``subprocess.Popen`` ones with ``CYCLONE_PREFORK=0``. Popen-like, text output."""
-    files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in envs]  # noqa: SIM115 (closed by communicate)
-    module, script = (target[1], None) if target[0] == "-m" else (None, target[0])
-    args = tuple(target[2:] if module else target[1:])
-    starts = [prefork.RankStart(args=args, env=env, module=module, script=script, cwd=str(cwd), stdout=out.fileno(),
-                                stderr=err.fileno(), new_session=False) for env, (out, err) in zip(envs, files, strict=True)]
-    forked = prefork.spawn(starts, cwd=str(cwd))
+    return popen_group([(target, env) for env in envs], cwd)
+
+
+def popen_group(starts: list[tuple[list[str], dict[str, str]]], cwd: Path = REPO) -> list[Any]:
+    """:func:`popen_ranks` for processes with targets of their own (several runs' ranks), all forked from one
+    process. What a library reads at import (``TORCH_DISTRIBUTED_DEBUG``: torch.distributed) is the first
+    environment's: group only processes that agree on it."""
+    files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in starts]  # noqa: SIM115 (closed by communicate)
+    ranks = []
+    for (target, env), (out, err) in zip(starts, files, strict=True):
+        module, script = (target[1], None) if target[0] == "-m" else (None, target[0])
+        ranks.append(prefork.RankStart(args=tuple(target[2:] if module else target[1:]), env=env, module=module,
+                                       script=script, cwd=str(cwd), stdout=out.fileno(), stderr=err.fileno(),
+                                       new_session=False))
+    forked = prefork.spawn(ranks, cwd=str(cwd))
     if forked is not None:
         return [ForkedRank(proc.pid, out, err) for proc, (out, err) in zip(forked, files, strict=True)]
     for out, err in files:
         out.close()
         err.close()
     return [subprocess.Popen([sys.executable, *target], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for env in envs]
+                             stderr=subprocess.PIPE, text=True) for target, env in starts]
 
 
 def rank_envs(world: int, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
@@ -105,6 +114,13 @@ def start_ranks(run_dir: Path, world: int, env: dict[str, str] | None = None) ->
     """Start ``world`` ranks of the runtime on run_dir (torchrun-style environment, plus ``env``), forked as the
     local launcher forks them (:func:`popen_ranks`)."""
     return popen_ranks(["-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)], rank_envs(world, env))
+
+
+def start_runs(runs: list[tuple[Path, int]], env: dict[str, str] | None = None) -> list[Any]:
+    """:func:`start_ranks` for several runs at once (each ``(run_dir, world)``), all their ranks forked from one
+    process (:func:`popen_group`): one import of torch for the lot. The ranks in the order of ``runs``."""
+    return popen_group([(["-m", "cyclone_kit.runtime", "--run-dir", str(run_dir)], rank_env)
+                        for run_dir, world in runs for rank_env in rank_envs(world, env)])
 
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float = TIMEOUT_S) -> list[tuple[int, str, str]]:

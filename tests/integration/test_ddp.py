@@ -25,6 +25,7 @@ from tests.helpers.ranks import (
     records,
     run_ranks,
     start_ranks,
+    start_runs,
     write_spec,
 )
 from tests.helpers.slow_parts import hold_files, slow_parts_env
@@ -70,7 +71,7 @@ def pair_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_spec(one, batch_size=64, log_every=1, synthetic_samples=640)
     write_spec(two, batch_size=32, log_every=1, synthetic_samples=640)
     write_spec(accum, batch_size=16, grad_accum=2, log_every=1, synthetic_samples=640)
-    procs = start_ranks(two, 2) + start_ranks(one, 1) + start_ranks(accum, 2)
+    procs = start_runs([(two, 2), (one, 1), (accum, 2)])  # forked from one process (issue 27)
     for rank, (code, out, err) in enumerate(finish(procs, timeout=RUNS_HANG_S)):
         assert code == 0, f"process {rank} exited {code}\n{out}\n{err}"
     return {"one": one, "two": two, "accum": accum}

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.helpers.gpu_choices_rank import CHOICES_VAR, OVERFLOW_VAR
-from tests.helpers.ranks import REPO, final_params, finish, horovod_missing, popen_ranks, rank_envs, records, write_spec
+from tests.helpers.ranks import REPO, final_params, finish, horovod_missing, popen_group, rank_envs, records, write_spec
 
 #: Hang guard of one case's segment (not a performance bound): ~10-30 s here on 2 busy cores.
 HANG_S = 400
@@ -102,25 +102,40 @@ def _spec(run: Path, case: Case, steps: int) -> None:
                   "synthetic_samples": per_step * STEPS})
 
 
-def _start(run: Path, case: Case, overflow: bool) -> list[Any]:
+def _envs(case: Case, overflow: bool) -> list[dict[str, str]]:
     choices = ",".join(case.choices + (("overflow",) if overflow else ()))
-    envs = rank_envs(case.world, {CHOICES_VAR: choices, OVERFLOW_VAR: str(CKPT_STEP),
+    return rank_envs(case.world, {CHOICES_VAR: choices, OVERFLOW_VAR: str(CKPT_STEP),
                                   "TORCH_DISTRIBUTED_DEBUG": case.debug, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(HANG_S)})
-    return popen_ranks([str(DRIVER), "--run-dir", str(run)], envs)
+
+
+def _groups(cases: dict[str, Case]) -> list[list[str]]:
+    """The cases in groups of at most ``RANKS_AT_ONCE`` ranks with the same ``TORCH_DISTRIBUTED_DEBUG`` (a group's
+    ranks are forked from one process, and torch.distributed reads the level at its import), widest case first."""
+    groups: list[list[str]] = []
+    for name, case in sorted(cases.items(), key=lambda kv: -kv[1].world):
+        room = [g for g in groups if CASES[g[0]].debug == case.debug
+                and sum(CASES[n].world for n in g) + case.world <= RANKS_AT_ONCE]
+        if room:
+            room[0].append(name)
+        else:
+            groups.append([name])
+    return groups
 
 
 def _segment(runs: dict[str, Path], cases: dict[str, Case], steps: int | None, overflow: bool) -> dict[str, list[Any]]:
-    """Run every case's ranks (``steps``: None = the case's full run), widest case first; a case starts
-    when the ranks running leave room for it (``RANKS_AT_ONCE``), else after the oldest case running ends."""
-    running: dict[str, list[Any]] = {}
+    """Run every case's ranks (``steps``: None = the case's full run), one group of cases (:func:`_groups`) at a
+    time, each group's ranks forked from one process (issue 27: one zygote's imports per group, not per case)."""
     results = {}
-    for name, case in sorted(cases.items(), key=lambda kv: -kv[1].world):
-        while running and sum(len(p) for p in running.values()) + case.world > RANKS_AT_ONCE:
-            oldest = next(iter(running))
-            results[oldest] = finish(running.pop(oldest), timeout=HANG_S)
-        _spec(runs[name], case, steps or STEPS)
-        running[name] = _start(runs[name], case, overflow)
-    results.update({name: finish(procs, timeout=HANG_S) for name, procs in running.items()})
+    for group in _groups(cases):
+        starts = []
+        for name in group:
+            _spec(runs[name], cases[name], steps or STEPS)
+            starts += [([str(DRIVER), "--run-dir", str(runs[name])], env) for env in _envs(cases[name], overflow)]
+        procs = popen_group(starts)
+        at = 0
+        for name in group:
+            results[name] = finish(procs[at:at + cases[name].world], timeout=HANG_S)
+            at += cases[name].world
     return results
 
 

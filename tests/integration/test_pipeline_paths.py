@@ -14,8 +14,6 @@ a shard write slower than the stall bound); every wait has a timeout and no verd
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ import torch
 
 from cyclone_kit.runtime import torchcompat
 from tests.helpers.pipeline_rank import PATCHES_VAR
-from tests.helpers.ranks import REPO, clean_env, finish, free_port, records, write_spec
+from tests.helpers.ranks import REPO, finish, popen_ranks, rank_envs, records, write_spec
 
 #: Hang guard of a 2-rank run (not a performance bound): 2 ranks on 2 busy cores, imports included.
 HANG_S = 300
@@ -38,16 +36,9 @@ PIPE = dict(strategy="pipeline", model="tiny_cnn", pipeline_stages=2, pipeline_s
             microbatches=MICROBATCHES, batch_size=8, synthetic_samples=32, warmup_steps=0, log_every=1)
 
 
-def _start(run: Path, world: int, patches: str, **extra_env: str) -> list[subprocess.Popen[str]]:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**clean_env(), PATCHES_VAR: patches, **extra_env}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(DRIVER), "--run-dir", str(run)], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+def _start(run: Path, world: int, patches: str, **extra_env: str) -> list[Any]:
+    """The driver's ranks, forked as the local launcher forks the trainer's (the patches apply at run time)."""
+    return popen_ranks([str(DRIVER), "--run-dir", str(run)], rank_envs(world, {PATCHES_VAR: patches, **extra_env}))
 
 
 def _run(run: Path, patches: str, **extra_env: str) -> list[tuple[int, str, str]]:

@@ -14,7 +14,7 @@ import torch
 
 from cyclone_kit.runtime import checkpoint as ck
 from tests.helpers.phases import assert_phases_add_up
-from tests.helpers.ranks import final_params, finish, horovod_missing, records, run_ranks, start_ranks, write_spec
+from tests.helpers.ranks import final_params, finish, horovod_missing, records, run_ranks, start_ranks, start_runs, write_spec
 
 #: Hang guard (not a performance bound) for the module's reference runs: 6 ranks at once on 2 cores
 #: took 51 s on this machine under load (~9); >= 10x an idle run.
@@ -35,12 +35,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     runs = {name: base / name for name in ("ddp", "fsdp", "pipeline")}
     for name, run in runs.items():
         write_spec(run, strategy=name, **COMMON)
+    # FSDP with sharded checkpoints (test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes)
+    runs["fsdp-dcp"] = base / "fsdp-dcp"
+    write_spec(runs["fsdp-dcp"], strategy="fsdp", checkpoint={"sharded": True, "every_steps": 5}, **COMMON)
     # The pipeline: 4 ranks = 2 stages x 2 replicas, each replica a batch of 32 in 4 micro-batches (1F1B),
     # so the global batch (64), LR and data order (replica d reads DDP rank d's shard) are DDP's.
     write_spec(runs["pipeline"], strategy="pipeline", microbatches=4, pipeline_stages=2, pipeline_schedule="1f1b",
                **COMMON)
     # every_steps=10 in smoke.toml: checkpoints at step 10 and the final 12.
-    procs = start_ranks(runs["ddp"], 2) + start_ranks(runs["fsdp"], 2) + start_ranks(runs["pipeline"], 4)
+    # all 10 ranks forked from one process (issue 27: one import of torch, not four)
+    procs = start_runs([(runs["ddp"], 2), (runs["fsdp"], 2), (runs["pipeline"], 4), (runs["fsdp-dcp"], 2)])
     for i, (code, out, err) in enumerate(finish(procs, timeout=RUNS_HANG_S)):
         assert code == 0, f"process {i} exited {code}\n{out}\n{err}"
     return runs
@@ -102,14 +106,7 @@ def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[st
     ckpt-N.dcp/ (keep=2 prunes old ones), in the background (checkpoint.async_write, the default: async_save,
     each .pt written once every rank's shards are done); training is unchanged and a copy of step 10
     resumes exactly."""
-    import json
-
-    run = tmp_path / "fsdp-dcp"
-    write_spec(run, strategy="fsdp", **COMMON)
-    spec = json.loads((run / "spec.json").read_text())
-    spec["checkpoint"].update(sharded=True, every_steps=5)  # checkpoints at 5, 10 and 12; keep=2
-    (run / "spec.json").write_text(json.dumps(spec))
-    run_ranks(run, 2)
+    run = runs["fsdp-dcp"]  # the module's run: checkpoints at 5, 10 and 12; keep=2
     losses = [r["loss"] for r in records(run, "step")]
     assert losses == [r["loss"] for r in records(runs["fsdp"], "step")]
     folder = run / "checkpoints"
