@@ -204,10 +204,12 @@ def local_environment(job: ResolvedJob, run_dir: Path | str, master_port: str) -
     """The variables submitit's local executor hands its ranks (pure; ``master_port``: a port or a placeholder)."""
     from cyclone_kit.backends.local_env import available_cores, threads_per_rank
 
+    threads = str(threads_per_rank(job.world_size, available_cores()))
     return {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": master_port,
-        "OMP_NUM_THREADS": str(threads_per_rank(job.world_size, available_cores())),
+        "OMP_NUM_THREADS": threads,
+        "TORCHINDUCTOR_COMPILE_THREADS": threads,  # torch.compile's workers: the rank's share too (launchers/local.py)
         "CYCLONE_RUN_DIR": str(Path(run_dir).absolute()),
         "PYTHONUNBUFFERED": "1",
     }

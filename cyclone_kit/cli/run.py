@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=1, help="number of ranks (default 1)")
     p.add_argument("--nodes", type=int, default=1,
                    help="pretend nodes (all on this host; --nproc must be a multiple; default 1)")
-    p.add_argument("--threads", type=int, help="torch threads per rank (default: this machine's cores / --nproc)")
+    p.add_argument("--threads", type=int,
+                   help="torch threads (and torch.compile workers) per rank (default: this machine's cores / --nproc)")
     p.add_argument("--runs-dir", default="runs", help="where run directories are created (default: ./runs)")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this many seconds")
     p.add_argument("--stop-grace", type=float, metavar="SECONDS",

@@ -97,6 +97,11 @@ def rank_variables(
         "MASTER_PORT": str(master_port),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
+        # torch.compile's worker pool: torch sizes it by the CPUs the process may run on, which srun's binding
+        # makes the task's own; here every rank sees every core, and each rank's pool of processes (each
+        # importing torch) would be this machine's size (2 cores, 2 ranks: ~15 CPU-s more per rank for one
+        # compile of the tiny CNN). 1 = compile in the rank's own process.
+        "TORCHINDUCTOR_COMPILE_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
         "CYCLONE_RUN_DIR": str(run_dir),
         LAUNCHER_VARIABLE: launcher,

@@ -14,7 +14,7 @@ import torch
 
 from cyclone_kit.runtime import checkpoint as ck
 from tests.helpers.phases import assert_phases_add_up
-from tests.helpers.ranks import final_params, finish, horovod_missing, records, run_ranks, start_ranks, start_runs, write_spec
+from tests.helpers.ranks import final_params, finish, horovod_missing, records, run_ranks, start_runs, write_spec
 
 #: Hang guard (not a performance bound) for the module's reference runs: 6 ranks at once on 2 cores
 #: took 51 s on this machine under load (~9); >= 10x an idle run.
@@ -50,6 +50,33 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return runs
 
 
+@pytest.fixture(scope="module")
+def resumed(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list]]:
+    """The module runs' step-10 checkpoints resumed in new run directories, all ranks forked from one process
+    (issue 27): FSDP's full state dict (2 ranks), FSDP's shards (2), the 2x2 pipeline (4), DDP from the
+    pipeline's checkpoint (2), and one process that cannot take FSDP's shards (1). Each (run_dir, results)."""
+    base = tmp_path_factory.mktemp("resumed")
+    plan = {"fsdp-resume": ("fsdp", "fsdp", 2), "fsdp-dcp-resume": ("fsdp-dcp", "fsdp-dcp", 2),
+            "pipeline-resume": ("pipeline", "pipeline", 4), "ddp-from-pipeline": ("pipeline", "ddp", 2),
+            "fsdp-dcp-one-process": ("fsdp-dcp", "fsdp-dcp", 1)}
+    for name, (checkpoint_of, spec_of, _) in plan.items():
+        _copy_checkpoint(runs[checkpoint_of], base / name, 10)
+        shutil.copy(runs[spec_of] / "spec.json", base / name / "spec.json")
+    procs = start_runs([(base / name, world) for name, (_, _, world) in plan.items()])
+    results = finish(procs, timeout=RUNS_HANG_S)
+    out, at = {}, 0
+    for name, (_, _, world) in plan.items():
+        out[name] = (base / name, results[at:at + world])
+        at += world
+    return out
+
+
+def _ok(results: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
+    return results
+
+
 def test_fsdp_and_ddp_reach_the_same_loss(runs: dict[str, Path]) -> None:
     ddp = [r["loss"] for r in records(runs["ddp"], "step")]
     fsdp = [r["loss"] for r in records(runs["fsdp"], "step")]
@@ -80,28 +107,25 @@ def test_the_phases_of_every_step_sum_to_its_step_time(runs: dict[str, Path], st
           f"{1e3 * med['comm_time_s']:.1f}) + other {1e3 * med['other_time_s']:.2f} ms")
 
 
-def test_fsdp_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_fsdp_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str, Path],
+                                                                  resumed: dict[str, tuple[Path, list]]) -> None:
     """A new run dir holding only the step-10 FSDP checkpoint resumes at 10 and ends like the full run."""
     src = runs["fsdp"]
-    run = tmp_path / "fsdp-resume"
-    shutil.copy(src / "spec.json", (run.mkdir() or run) / "spec.json")
-    (run / "checkpoints").mkdir()
-    ten = ck.checkpoint_path(src / "checkpoints", 10)
-    assert ten.is_file(), sorted(p.name for p in (src / "checkpoints").iterdir())
-    shutil.copy(ten, run / "checkpoints" / ten.name)
-    results = run_ranks(run, 2)
+    assert ck.checkpoint_path(src / "checkpoints", 10).is_file(), sorted(p.name for p in (src / "checkpoints").iterdir())
+    run, results = resumed["fsdp-resume"]
+    results = _ok(results)
     assert "resumed from" in results[0][1] and "at step 10" in results[0][1]
-    resumed = {r["step"]: r["loss"] for r in records(run, "step")}
+    resumed_losses = {r["step"]: r["loss"] for r in records(run, "step")}
     full = {r["step"]: r["loss"] for r in records(src, "step")}
-    assert sorted(resumed) == [11, 12]
-    assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
+    assert sorted(resumed_losses) == [11, 12]
+    assert [resumed_losses[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
     p_full, p_resumed = final_params(src), final_params(run)
     for name in p_full:
         torch.testing.assert_close(p_resumed[name], p_full[name], rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
 
 
-
-def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[str, Path],
+                                                                   resumed: dict[str, tuple[Path, list]]) -> None:
     """checkpoint.sharded=true: every rank writes its shards with torch.distributed.checkpoint into
     ckpt-N.dcp/ (keep=2 prunes old ones), in the background (checkpoint.async_write, the default: async_save,
     each .pt written once every rank's shards are done); training is unchanged and a copy of step 10
@@ -124,16 +148,12 @@ def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[st
           f"snapshot {end['checkpoint_snapshot_s']:.3f} s, {end['checkpoint_waits']} wait(s) "
           f"{end['checkpoint_wait_s']:.3f} s")
 
-    again = tmp_path / "fsdp-dcp-resume"
-    (again / "checkpoints").mkdir(parents=True)
-    shutil.copy(run / "spec.json", again / "spec.json")
-    shutil.copy(folder / "ckpt-000000010.pt", again / "checkpoints")
-    shutil.copytree(folder / "ckpt-000000010.dcp", again / "checkpoints" / "ckpt-000000010.dcp")
-    assert "at step 10" in run_ranks(again, 2)[0][1]
-    resumed = {r["step"]: r["loss"] for r in records(again, "step")}
-    assert sorted(resumed) == [11, 12]
-    assert [resumed[s] for s in (11, 12)] == pytest.approx(losses[10:], rel=1e-5, abs=1e-6)
-    (code, _, err), = finish(start_ranks(again, 1))  # one process (no FSDP) cannot take the shards
+    again, results = resumed["fsdp-dcp-resume"]  # a copy of step 10's .pt and .dcp
+    assert "at step 10" in _ok(results)[0][1]
+    resumed_losses = {r["step"]: r["loss"] for r in records(again, "step")}
+    assert sorted(resumed_losses) == [11, 12]
+    assert [resumed_losses[s] for s in (11, 12)] == pytest.approx(losses[10:], rel=1e-5, abs=1e-6)
+    (code, _, err), = resumed["fsdp-dcp-one-process"][1]  # one process (no FSDP) cannot take the shards
     assert code != 0 and "holds FSDP shards" in err
 
 
@@ -180,14 +200,6 @@ def _pipeline_params(run: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
 
 
-def _run_pipeline_ranks(run: Path, world: int) -> list[tuple[int, str, str]]:
-    """The ranks on ``run``, under the module's hang guard (4 ranks on 2 busy cores need more than run_ranks')."""
-    results = finish(start_ranks(run, world), timeout=RUNS_HANG_S)
-    for rank, (code, out, err) in enumerate(results):
-        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
-    return results
-
-
 def _copy_checkpoint(src: Path, run: Path, step: int) -> None:
     (run / "checkpoints").mkdir(parents=True)
     pt = ck.checkpoint_path(src / "checkpoints", step)
@@ -197,37 +209,32 @@ def _copy_checkpoint(src: Path, run: Path, step: int) -> None:
         shutil.copytree(dcp, run / "checkpoints" / dcp.name)
 
 
-def test_pipeline_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_pipeline_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str, Path],
+                                                                      resumed: dict[str, tuple[Path, list]]) -> None:
     """The step-10 checkpoint (DCP, every stage's tensors) resumes the 2x2 pipeline exactly."""
     src = runs["pipeline"]
-    run = tmp_path / "pipeline-resume"
-    _copy_checkpoint(src, run, 10)
-    shutil.copy(src / "spec.json", run / "spec.json")
+    run, results = resumed["pipeline-resume"]
     state = ck.load_checkpoint(run / "checkpoints" / "ckpt-000000010.pt")
     assert state["optimizer_format"] == "pipeline-dcp" and state["pipeline"]["stages"] == 2
-    results = _run_pipeline_ranks(run, 4)
-    assert "at step 10" in results[0][1]
-    resumed = {r["step"]: r["loss"] for r in records(run, "step")}
+    assert "at step 10" in _ok(results)[0][1]
+    resumed_losses = {r["step"]: r["loss"] for r in records(run, "step")}
     full = {r["step"]: r["loss"] for r in records(src, "step")}
-    assert sorted(resumed) == [11, 12]
-    assert [resumed[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
+    assert sorted(resumed_losses) == [11, 12]
+    assert [resumed_losses[s] for s in (11, 12)] == pytest.approx([full[s] for s in (11, 12)], rel=1e-5, abs=1e-6)
     assert records(run, "start")[0]["balance"]["cuts"] == records(src, "start")[0]["balance"]["cuts"]
     # written in the background on every rank (checkpoint.async_write): steps 10 and 12, each .pt after its stages
     assert records(src, "end")[-1]["checkpoints_async"] == 2, records(src, "end")[-1]
 
 
-def test_a_ddp_run_loads_the_pipeline_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_a_ddp_run_loads_the_pipeline_checkpoint(runs: dict[str, Path], resumed: dict[str, tuple[Path, list]]) -> None:
     """The pipeline's DCP checkpoint speaks the full model's names: DDP on 2 ranks resumes from it
     (weights and momentum) and continues on DDP's own trajectory; its final weights match."""
-    run = tmp_path / "ddp-from-pipeline"
-    _copy_checkpoint(runs["pipeline"], run, 10)
-    shutil.copy(runs["ddp"] / "spec.json", run / "spec.json")
-    results = _run_pipeline_ranks(run, 2)
-    assert "at step 10" in results[0][1]
-    resumed = {r["step"]: r["loss"] for r in records(run, "step")}
+    run, results = resumed["ddp-from-pipeline"]
+    assert "at step 10" in _ok(results)[0][1]
+    resumed_losses = {r["step"]: r["loss"] for r in records(run, "step")}
     ddp = {r["step"]: r["loss"] for r in records(runs["ddp"], "step")}
-    assert sorted(resumed) == [11, 12]
-    assert [resumed[s] for s in (11, 12)] == pytest.approx([ddp[s] for s in (11, 12)], rel=2e-3, abs=2e-4)
+    assert sorted(resumed_losses) == [11, 12]
+    assert [resumed_losses[s] for s in (11, 12)] == pytest.approx([ddp[s] for s in (11, 12)], rel=2e-3, abs=2e-4)
     p_ddp, p_run = final_params(runs["ddp"]), final_params(run)
     assert set(p_run) == set(p_ddp)
     for name in p_ddp:

@@ -68,6 +68,9 @@ def test_the_local_launcher_sets_srun_like_variables_and_knows_its_ranks() -> No
     assert [(v["SLURM_PROCID"], v["SLURM_LOCALID"], v["SLURMD_NODENAME"]) for v in ranks] == [
         ("0", "0", "127.0.0.1"), ("1", "1", "127.0.0.1"), ("2", "0", "127.0.0.2"), ("3", "1", "127.0.0.2")]
     assert ranks[0]["SLURM_TASKS_PER_NODE"] == "2(x2)" and ranks[0]["CYCLONE_LAUNCHER"] == "local"
+    # each rank's share of the cores: torch's threads and torch.compile's workers (torch sizes the pool by the
+    # CPUs the process may run on, and the local ranks may all run on every core)
+    assert {(v["OMP_NUM_THREADS"], v["TORCHINDUCTOR_COMPILE_THREADS"]) for v in ranks} == {("2", "2")}
     assert LOCAL.started(ranks[0]) and not LOCAL.started({}) and not LOCAL.started({"CYCLONE_LAUNCHER": "slurm"})
     with pytest.raises(ValidationError, match="does not split evenly"):
         LOCAL.rank_variables(3, 2, job_id="9", master_port=1, threads=1, run_dir="/r", job_name="j", submit_dir="/")
