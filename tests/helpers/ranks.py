@@ -139,11 +139,22 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = TIMEOUT_S) -> li
     return results
 
 
-def run_ranks(run_dir: Path, world: int) -> list[tuple[int, str, str]]:
-    results = finish(start_ranks(run_dir, world))
+def all_ok(results: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """``results`` (of :func:`finish`), after asserting that every rank exited 0 (its output in the message)."""
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
     return results
+
+
+def per_run(items: list[Any], worlds: list[int]) -> list[list[Any]]:
+    """A flat list of ranks (or their results) cut back into runs of ``worlds`` ranks each, in order."""
+    assert len(items) == sum(worlds), (len(items), worlds)
+    starts = [sum(worlds[:i]) for i in range(len(worlds))]
+    return [items[at:at + world] for at, world in zip(starts, worlds, strict=True)]
+
+
+def run_ranks(run_dir: Path, world: int) -> list[tuple[int, str, str]]:
+    return all_ok(finish(start_ranks(run_dir, world)))
 
 
 def records(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.helpers.gpu_choices_rank import CHOICES_VAR, OVERFLOW_VAR
-from tests.helpers.ranks import REPO, final_params, finish, horovod_missing, popen_group, rank_envs, records, write_spec
+from tests.helpers.ranks import REPO, final_params, finish, horovod_missing, per_run, popen_group, rank_envs, records, write_spec
 
 #: Hang guard of one case's segment (not a performance bound): ~10-30 s here on 2 busy cores.
 HANG_S = 400
@@ -131,11 +131,8 @@ def _segment(runs: dict[str, Path], cases: dict[str, Case], steps: int | None, o
         for name in group:
             _spec(runs[name], cases[name], steps or STEPS)
             starts += [([str(DRIVER), "--run-dir", str(runs[name])], env) for env in _envs(cases[name], overflow)]
-        procs = popen_group(starts)
-        at = 0
-        for name in group:
-            results[name] = finish(procs[at:at + cases[name].world], timeout=HANG_S)
-            at += cases[name].world
+        for name, procs in zip(group, per_run(popen_group(starts), [cases[n].world for n in group]), strict=True):
+            results[name] = finish(procs, timeout=HANG_S)
     return results
 
 

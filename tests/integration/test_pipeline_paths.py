@@ -22,7 +22,7 @@ import torch
 
 from cyclone_kit.runtime import torchcompat
 from tests.helpers.pipeline_rank import PATCHES_VAR
-from tests.helpers.ranks import REPO, finish, popen_ranks, rank_envs, records, write_spec
+from tests.helpers.ranks import REPO, all_ok, finish, popen_ranks, rank_envs, records, write_spec
 
 #: Hang guard of a 2-rank run (not a performance bound): 2 ranks on 2 busy cores, imports included.
 HANG_S = 300
@@ -42,10 +42,7 @@ def _start(run: Path, world: int, patches: str, **extra_env: str) -> list[Any]:
 
 
 def _run(run: Path, patches: str, **extra_env: str) -> list[tuple[int, str, str]]:
-    results = finish(_start(run, 2, patches, **extra_env), timeout=HANG_S)
-    for rank, (code, out, err) in enumerate(results):
-        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
-    return results
+    return all_ok(finish(_start(run, 2, patches, **extra_env), timeout=HANG_S))
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ import torch
 
 from cyclone_kit.runtime import checkpoint as ck
 from tests.helpers.phases import assert_phases_add_up
-from tests.helpers.ranks import final_params, finish, horovod_missing, records, run_ranks, start_runs, write_spec
+from tests.helpers.ranks import all_ok, final_params, finish, horovod_missing, per_run, records, run_ranks, start_runs, write_spec
 
 #: Hang guard (not a performance bound) for the module's reference runs: 6 ranks at once on 2 cores
 #: took 51 s on this machine under load (~9); >= 10x an idle run.
@@ -62,19 +62,10 @@ def resumed(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     for name, (checkpoint_of, spec_of, _) in plan.items():
         _copy_checkpoint(runs[checkpoint_of], base / name, 10)
         shutil.copy(runs[spec_of] / "spec.json", base / name / "spec.json")
-    procs = start_runs([(base / name, world) for name, (_, _, world) in plan.items()])
-    results = finish(procs, timeout=RUNS_HANG_S)
-    out, at = {}, 0
-    for name, (_, _, world) in plan.items():
-        out[name] = (base / name, results[at:at + world])
-        at += world
-    return out
-
-
-def _ok(results: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
-    for rank, (code, out, err) in enumerate(results):
-        assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
-    return results
+    worlds = [world for _, _, world in plan.values()]
+    results = finish(start_runs([(base / name, world) for name, world in zip(plan, worlds, strict=True)]),
+                     timeout=RUNS_HANG_S)
+    return {name: (base / name, res) for name, res in zip(plan, per_run(results, worlds), strict=True)}
 
 
 def test_fsdp_and_ddp_reach_the_same_loss(runs: dict[str, Path]) -> None:
@@ -113,7 +104,7 @@ def test_fsdp_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[str,
     src = runs["fsdp"]
     assert ck.checkpoint_path(src / "checkpoints", 10).is_file(), sorted(p.name for p in (src / "checkpoints").iterdir())
     run, results = resumed["fsdp-resume"]
-    results = _ok(results)
+    results = all_ok(results)
     assert "resumed from" in results[0][1] and "at step 10" in results[0][1]
     resumed_losses = {r["step"]: r["loss"] for r in records(run, "step")}
     full = {r["step"]: r["loss"] for r in records(src, "step")}
@@ -149,7 +140,7 @@ def test_fsdp_sharded_checkpoint_saves_shards_per_rank_and_resumes(runs: dict[st
           f"{end['checkpoint_wait_s']:.3f} s")
 
     again, results = resumed["fsdp-dcp-resume"]  # a copy of step 10's .pt and .dcp
-    assert "at step 10" in _ok(results)[0][1]
+    assert "at step 10" in all_ok(results)[0][1]
     resumed_losses = {r["step"]: r["loss"] for r in records(again, "step")}
     assert sorted(resumed_losses) == [11, 12]
     assert [resumed_losses[s] for s in (11, 12)] == pytest.approx(losses[10:], rel=1e-5, abs=1e-6)
@@ -216,7 +207,7 @@ def test_pipeline_checkpoint_resumes_on_the_uninterrupted_trajectory(runs: dict[
     run, results = resumed["pipeline-resume"]
     state = ck.load_checkpoint(run / "checkpoints" / "ckpt-000000010.pt")
     assert state["optimizer_format"] == "pipeline-dcp" and state["pipeline"]["stages"] == 2
-    assert "at step 10" in _ok(results)[0][1]
+    assert "at step 10" in all_ok(results)[0][1]
     resumed_losses = {r["step"]: r["loss"] for r in records(run, "step")}
     full = {r["step"]: r["loss"] for r in records(src, "step")}
     assert sorted(resumed_losses) == [11, 12]
@@ -230,7 +221,7 @@ def test_a_ddp_run_loads_the_pipeline_checkpoint(runs: dict[str, Path], resumed:
     """The pipeline's DCP checkpoint speaks the full model's names: DDP on 2 ranks resumes from it
     (weights and momentum) and continues on DDP's own trajectory; its final weights match."""
     run, results = resumed["ddp-from-pipeline"]
-    assert "at step 10" in _ok(results)[0][1]
+    assert "at step 10" in all_ok(results)[0][1]
     resumed_losses = {r["step"]: r["loss"] for r in records(run, "step")}
     ddp = {r["step"]: r["loss"] for r in records(runs["ddp"], "step")}
     assert sorted(resumed_losses) == [11, 12]
