@@ -108,7 +108,10 @@ def test_ddp_ck_without_any_launcher_runs_as_world_one(tmp_path: Path) -> None:
 #: The spec and ddp_ck.py arguments of the requeue test's runs; its uninterrupted reference (2 ranks under the
 #: local launcher) is also the run whose records ``cyclone-kit report`` reads: one run, two tests.
 REQUEUE_TOTAL = 30  # the stop comes at step 5-10 (asserted): the resumed segment runs 20-25 steps
-REQUEUE_SPEC = {"train": {"log_every": 1}, "checkpoint": {"poll_s": 0, "keep": 2}}
+#: ``stall_floor_s = 0``: the progress watchdog off. The requeue test holds both ranks after step 5 for as long as
+#: the signal takes to reach them; with the watchdog armed that hold had to end within its bound (36 s here), a
+#: margin a 5x slower machine could eat (docs/TESTING.md item 9). Stalls have tests of their own (test_stall).
+REQUEUE_SPEC = {"train": {"log_every": 1}, "checkpoint": {"poll_s": 0, "keep": 2, "stall_floor_s": 0}}
 REQUEUE_ARGS = ("--steps", str(REQUEUE_TOTAL), "--batch-size", "16")
 
 

@@ -140,6 +140,9 @@ def test_two_rank_run_writes_the_metrics_contract(pair_runs: dict[str, Path]) ->
 #: so mid-run at any speed; the stop comes at 12-20 (asserted), so the resumed segment starts in the second
 #: epoch and crosses the epoch boundary at 20. FSDP follows the one-rank run to ~2e-5 over these steps.
 SIGNALLED_STEPS = 30
+#: The progress watchdog off in the runs held after a step until a signal reached them: armed, it bounded the hold
+#: (36 s at smoke.toml's pg_timeout_s), a margin a 5x slower machine could eat (docs/TESTING.md item 9).
+NO_WATCHDOG = {"stall_floor_s": 0}
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +160,7 @@ def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(
         long_reference: Path, tmp_path: Path) -> None:
     reference = {r["step"]: r["loss"] for r in records(long_reference, "step")}
     run = tmp_path / "resumed"
-    write_spec(run, batch_size=64, log_every=1, synthetic_samples=640, steps=SIGNALLED_STEPS)
+    write_spec(run, checkpoint=NO_WATCHDOG, batch_size=64, log_every=1, synthetic_samples=640, steps=SIGNALLED_STEPS)
     # Signal in the second epoch (held after step 12), so the resume starts mid-epoch after an epoch boundary.
     holds = hold_files(tmp_path / "hold")
     (proc,) = start_ranks(run, 1, env=slow_parts_env(tmp_path / "hold", hold_step=12))
@@ -254,8 +257,8 @@ def test_fsdp_run_signalled_on_one_rank_resumes_on_the_one_rank_trajectory(
     reference = [r["loss"] for r in records(long_reference, "step")]
     run = tmp_path / "fsdp"
     # Agree after every step: the stop is then acted on a step or two after the signal, whatever the speed.
-    write_spec(run, checkpoint={"poll_s": 0}, strategy="fsdp", batch_size=32, log_every=1, synthetic_samples=640,
-               steps=SIGNALLED_STEPS)
+    write_spec(run, checkpoint={"poll_s": 0, **NO_WATCHDOG}, strategy="fsdp", batch_size=32, log_every=1,
+               synthetic_samples=640, steps=SIGNALLED_STEPS)
     holds = hold_files(tmp_path / "hold")
     procs = start_ranks(run, 2, env=slow_parts_env(tmp_path / "hold", hold_step=12))
     running = lambda: all(p.poll() is None for p in procs)  # noqa: E731

@@ -53,6 +53,12 @@ STEPS = 30
 EVERY = 5
 #: The optimizer step every rank of the first segment is held after (so the kill falls mid-run).
 HOLD = 12
+#: The held jobs' progress watchdog: armed (the step watcher tells a vanished rank by its progress record), with a
+#: bound no hold can reach: the floor is the test's hang guard, the process group's timeout twice that (the bound
+#: stays below 0.6 x the timeout). With smoke.toml's 60 s timeout the hold (the test finding and killing a node's
+#: processes) had to end within 36 s, a margin a 5x slower machine could eat (docs/TESTING.md item 9). The killed
+#: peer is still seen at once: the survivors' all-reduce fails on the lost connection, not on the timeout.
+HELD_WATCHDOG = ("--set", f"checkpoint.stall_floor_s={HANG_S}", "--set", f"train.pg_timeout_s={int(2 * HANG_S)}")
 HANG_STEP = 10
 FLOOR_S = 8
 
@@ -143,7 +149,7 @@ def _lose_a_node_while_held(tmp_path: Path, *args: str) -> tuple[str, Path, Any,
     backend = SlurmBackend()
     holds = hold_files(tmp_path / "slow")
     job_id, run_dir = _submit(tmp_path, str(SMOKE), *args, "--set", f"train.steps={STEPS}", "--set",
-                              "train.log_every=1", "--set", f"checkpoint.every_steps={EVERY}",
+                              "train.log_every=1", "--set", f"checkpoint.every_steps={EVERY}", *HELD_WATCHDOG,
                               env=slow_parts_env(tmp_path / "slow", hold_step=HOLD))
     try:
         wait_for(lambda: holds.at(HOLD, [0, 1]), HANG_S, f"both ranks held after step {HOLD}")

@@ -50,6 +50,13 @@ HANG_STEP = 15
 #: the lost-node job's ranks are held after this step while c2's processes are killed
 LOST_AT = 20
 LOST_STEPS = 60
+LOST_WALL_MIN = 10
+#: The lost-node job's progress watchdog: armed (the step watcher tells a vanished rank by its progress record), with
+#: a bound no hold can reach: the floor is the test's own hang guard and the process group's timeout twice that
+#: (the bound stays below 0.6 x the timeout). With smoke.toml's 60 s timeout the hold (the test finding and killing
+#: c2's processes) had to end within 36 s, a margin a 5x slower machine could eat (docs/TESTING.md item 9). The
+#: killed peer is still seen at once: rank 0's all-reduce fails on the lost connection, not on the timeout.
+LOST_WATCHDOG = ("--set", f"checkpoint.stall_floor_s={HANG_S}", "--set", f"train.pg_timeout_s={int(2 * HANG_S)}")
 #: What may come on top of a bound: the watchdog's look interval and wait for its peers' records,
 #: srun's kill of the step, scheduling on a loaded 2-core machine.
 SLACK_S = 5.0 + 15.0 + 10.0 + 20.0
@@ -138,8 +145,8 @@ def test_a_node_that_lost_its_processes_is_requeued_not_left_running(slurm_clust
                                                                         tmp_path: Path) -> None:
     backend = SlurmBackend()
     holds = hold_files(tmp_path / "parts")
-    job_id, run_dir = _submit(tmp_path, str(SMOKE), "--time", "10", "--set", f"train.steps={LOST_STEPS}", "--set",
-                              "train.log_every=5", "--set", "checkpoint.every_steps=10",
+    job_id, run_dir = _submit(tmp_path, str(SMOKE), "--time", str(LOST_WALL_MIN), "--set", f"train.steps={LOST_STEPS}",
+                              "--set", "train.log_every=5", "--set", "checkpoint.every_steps=10", *LOST_WATCHDOG,
                               env=slow_parts_env(tmp_path / "parts", hold_step=LOST_AT))
     try:
         _wait_for(lambda: holds.at(LOST_AT, range(2)), f"both ranks held after step {LOST_AT}")
@@ -154,10 +161,14 @@ def test_a_node_that_lost_its_processes_is_requeued_not_left_running(slurm_clust
     finally:
         holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
         info = finish_job(backend, job_id, HANG_S)
-    # srun alone would have waited until the wall time; the step watcher's grace, Slurm's KillWait, slack
-    limit = stepwatch.GRACE_S + _kill_wait_s() + 2 + SLACK_S
-    print(f"job {job_id}: failure.json {noticed:.1f} s after the kill (limit {limit:.0f} s); then {info.state.value}")
-    assert noticed <= limit, (noticed, limit)
+    # What the step watcher claims: it ended the step (failure.json is its own, cause rank_lost, below), where srun
+    # alone would have waited until the wall time. So the bound asserted is the wall time; the step watcher's grace
+    # plus Slurm's KillWait (what it takes here, ~70 s) is printed, not asserted: a slack on top of it would be a
+    # guess about the machine's speed (docs/TESTING.md item 2).
+    expected = stepwatch.GRACE_S + _kill_wait_s()
+    print(f"job {job_id}: failure.json {noticed:.1f} s after the kill (grace + KillWait {expected:.0f} s; wall time "
+          f"{60 * LOST_WALL_MIN} s); then {info.state.value}")
+    assert noticed < 60 * LOST_WALL_MIN, (noticed, LOST_WALL_MIN)
     assert info.state is JobState.COMPLETED, info
     records = _records(run_dir)
     starts = [r for r in records if r["kind"] == "start"]
@@ -168,6 +179,7 @@ def test_a_node_that_lost_its_processes_is_requeued_not_left_running(slurm_clust
 
     failure = json.loads((run_dir / "failure.json").read_text())
     assert (failure["cause"], failure["lost"], failure["hosts"]) == ("rank_lost", [1], ["c2"]), failure
+    assert failure["written_by"] == "stepwatch", failure
     assert failure["root_cause"].startswith("rank(s) 1 on host c2 vanished"), failure["root_cause"]
     status = run_cli("status", str(run_dir), timeout=HANG_S)
     assert status.returncode == 0, status.stdout + status.stderr
