@@ -13,8 +13,9 @@ it is requeued, resumes and completes, and ``status`` says what happened (exit 0
   alone would wait until the wall time; the step watcher cancels the step, names
   rank 1 on c2, requeues, and the run completes.
 
-Every wait is for an event with a hang guard; the timing bounds come from the job's own records
-(the watchdog's measured bound) and the cluster's configuration (KillWait).
+Every wait is for an event with a hang guard. The timing bounds are what the feature claims: no sooner than the
+watchdog's measured bound (from the job's own records), before the job's wall time (what srun alone would wait
+for); the cause is asserted from the records (stalled, rank_lost and who wrote failure.json).
 """
 
 from __future__ import annotations
@@ -57,9 +58,6 @@ LOST_WALL_MIN = 10
 #: c2's processes) had to end within 36 s, a margin a 5x slower machine could eat (docs/TESTING.md item 9). The
 #: killed peer is still seen at once: rank 0's all-reduce fails on the lost connection, not on the timeout.
 LOST_WATCHDOG = ("--set", f"checkpoint.stall_floor_s={HANG_S}", "--set", f"train.pg_timeout_s={int(2 * HANG_S)}")
-#: What may come on top of a bound: the watchdog's look interval and wait for its peers' records,
-#: srun's kill of the step, scheduling on a loaded 2-core machine.
-SLACK_S = 5.0 + 15.0 + 10.0 + 20.0
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -130,7 +128,9 @@ def test_a_hung_rank_is_named_requeued_and_every_step_runs_once(slurm_cluster: d
     limit = 10 * 60
     print(f"job {job_id}: stalled at step {HANG_STEP}; failure.json {took:.1f} s after the last step "
           f"(bound {record['bound_s']:.1f} s; wall time {limit} s); resumed and completed")
-    assert record["bound_s"] - 1 <= took <= record["bound_s"] + SLACK_S < limit / 4, (took, record["bound_s"])
+    # before what the watchdog must beat (the wall time: srun alone would wait for the hung rank until then), no
+    # sooner than its bound; no "bound + slack": the slack would be a guess about the machine's speed
+    assert record["bound_s"] - 1 <= took < limit, (took, record["bound_s"])
     out = "".join(p.read_text() for p in (run_dir / "logs").glob("*.err"))
     assert "stepwatch: the step ended (stalled): requeue 1 of at most 3" in out, out[-3000:]
 
