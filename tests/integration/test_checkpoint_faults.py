@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,31 @@ def smoke(tmp_path: Path, *extra: str) -> tuple[Any, Path]:
     return result, run_dir_of(result.stdout)
 
 
-def test_a_flipped_byte_in_the_newest_checkpoint_resumes_from_the_previous_one_with_a_warning(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 2-rank smoke run of 8 steps (checkpoints at steps 4, 6 and 8 kept), shared by the tests that damage
+    its checkpoints (issue 27: one training run, not one per test). Each test damages its own copy
+    (:func:`copy_of`), so a copy resumes as the original would: the run directory's own path is in no file a
+    resume reads (spec.json, the checkpoints, metrics.jsonl and progress/ hold none; ``run --resume`` takes the
+    path it is given), only in the launcher's records of the first launch (launch.json, rewritten by every
+    launch, and the logs)."""
+    tmp_path = tmp_path_factory.mktemp("trained")
     first, run_dir = smoke(tmp_path, "--set", "train.steps=8")
     assert first.returncode == 0, first.stdout + first.stderr
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir / "checkpoints")] == [8, 6, 4]
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    """This test's own copy of the shared run directory, under the same name."""
+    copy = tmp_path / "runs" / run_dir.name
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_resumes_from_the_previous_one_with_a_warning(
+        trained: Path, tmp_path: Path) -> None:
+    run_dir = copy_of(trained, tmp_path)
     folder = run_dir / "checkpoints"
     assert [s for s, _ in ckpt.list_checkpoints(folder)] == [8, 6, 4]
     newest = ckpt.checkpoint_path(folder, 8)
@@ -80,9 +103,9 @@ def test_a_flipped_byte_in_the_newest_checkpoint_resumes_from_the_previous_one_w
     assert "skipped damaged checkpoint ckpt-000000008.pt" in status.stdout, status.stdout
 
 
-def test_every_checkpoint_unreadable_on_resume_is_refused_with_exit_2_and_nothing_overwritten(tmp_path: Path) -> None:
-    first, run_dir = smoke(tmp_path)
-    assert first.returncode == 0, first.stdout + first.stderr
+def test_every_checkpoint_unreadable_on_resume_is_refused_with_exit_2_and_nothing_overwritten(
+        trained: Path, tmp_path: Path) -> None:
+    run_dir = copy_of(trained, tmp_path)
     folder = run_dir / "checkpoints"
     for _, path in ckpt.list_checkpoints(folder):
         path.write_bytes(path.read_bytes()[:-64])  # torn at the end, as by a full disk
@@ -91,7 +114,9 @@ def test_every_checkpoint_unreadable_on_resume_is_refused_with_exit_2_and_nothin
     assert refused.returncode == 2, refused.stdout + refused.stderr
     line = refused.stderr.splitlines()[0]  # the root cause first; the rank's whole line (with the HINT) below it
     assert line.startswith("error: ") and "ResumeRefused: refusing to start over at step 0" in line, line
-    assert "ckpt-000000006.pt: checksum mismatch" in line and "Traceback" not in refused.stderr
+    assert all(f"{name}: checksum mismatch" in line for name in ("ckpt-000000008.pt", "ckpt-000000006.pt",
+                                                                   "ckpt-000000004.pt")), line  # each one's reason
+    assert "Traceback" not in refused.stderr
     assert "HINT: repair or restore a checkpoint there; or start over at step 0 with cyclone-kit run --resume" in (
         refused.stderr) and "--restart-from-scratch" in refused.stderr
     assert snapshot(folder) == before and (run_dir / "metrics.jsonl").read_bytes() == metrics

@@ -7,7 +7,8 @@ a shard write slower than the stall bound); every wait has a timeout and no verd
 * bug 3: channels_last on with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch then checks every stage
   input's strides against the declared buffer): training and validation run;
 * bug 4: the validation forwards (``schedule.eval``) are not collected by the stage clock as training
-  compute: every log window holds exactly the training step's forward and backward chunks;
+  compute: every log window holds exactly the training step's forward and backward chunks (in bug 3's
+  run: one run, both conditions);
 * bug 5: a shard write slower than the progress watchdog's bound is no stall: the run completes.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from cyclone_kit.runtime import torchcompat
 from tests.helpers.pipeline_rank import PATCHES_VAR
-from tests.helpers.ranks import REPO, all_ok, finish, popen_ranks, rank_envs, records, write_spec
+from tests.helpers.ranks import REPO, all_ok, finish, popen_group, popen_ranks, rank_envs, records, write_spec
 
 #: Hang guard of a 2-rank run (not a performance bound): 2 ranks on 2 busy cores, imports included.
 HANG_S = 300
@@ -60,43 +61,70 @@ def _validated(run: Path, results: list[tuple[int, str, str]], epochs: int) -> N
         assert torchcompat.schedule_eval_line(torch.__version__) in results[0][2], results[0][2][-2000:]
 
 
-def test_channels_last_batches_pass_torchs_stride_checks_under_debug_detail(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def nhwc_clock(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, str]]]:
+    """One run for bugs 3 and 4 (issue 27: one 2-rank run, not two): channels_last batches under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` with the stage clock counted. Neither condition touches what the other
+    test reads: DETAIL checks the stage inputs' metadata and the process group's collectives, not what the
+    stages compute, and the clock's count wraps ``Clock.add``/``read``, not a tensor. 9 steps, 4 an epoch:
+    validation after steps 4 and 8 and at the end, windows 5 and 9 follow one; 12 validation samples in
+    batches of 8: a padded last batch in every validation pass. The run directory and every rank's result."""
+    run = tmp_path_factory.mktemp("pipeline") / "nhwc-clock"
+    write_spec(run, steps=9, val_samples=12, channels_last=True, **PIPE)
+    return run, _run(run, "channels_last,clock", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+
+
+def test_channels_last_batches_pass_torchs_stride_checks_under_debug_detail(
+        nhwc_clock: tuple[Path, list[tuple[int, str, str]]]) -> None:
     """Bug 3: stage 0 declared a contiguous input but was fed NHWC batches; under DETAIL torch checks
     the strides of every stage input (PipeliningMetadataError: stride mismatch). Training and the
     validation passes (a padded last batch) run, and the stages' first input is NHWC."""
-    run = tmp_path / "nhwc"
-    write_spec(run, steps=6, val_samples=12, channels_last=True, **PIPE)
-    results = _run(run, "channels_last", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    run, results = nhwc_clock
     steps = records(run, "step")
-    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert [r["step"] for r in steps] == list(range(1, 10))
     assert all(r["loss"] == r["loss"] for r in steps)  # not NaN
-    _validated(run, results, 2)
+    _validated(run, results, 3)
     assert records(run, "end")[-1]["status"] == "completed"
 
 
-def test_validation_forwards_are_not_counted_as_stage_compute(tmp_path: Path) -> None:
+def test_validation_forwards_are_not_counted_as_stage_compute(
+        nhwc_clock: tuple[Path, list[tuple[int, str, str]]]) -> None:
     """Bug 4: the stage clock collected the forwards of ``schedule.eval``, so the window after each
     validation had inflated compute and no idle time. Counted per log window (one step each), every
     rank's clock holds exactly one schedule step and its M forward + M backward chunks."""
-    run = tmp_path / "clock"
-    write_spec(run, steps=9, val_samples=16, **PIPE)  # validation after steps 4 and 8, windows 5 and 9 follow
-    _validated(run, _run(run, "clock"), 3)
+    run, results = nhwc_clock
+    _validated(run, results, 3)  # validation after steps 4 and 8 (and at the end): windows 5 and 9 follow one
     for rank in range(2):
         windows = _jsonl(run / f"clock-rank-{rank}.jsonl")
         assert windows[0] == {"computations": 0, "steps": 0}  # the read at the loop's start
         assert windows[1:] == [{"computations": 2 * MICROBATCHES, "steps": 1}] * 9, f"rank {rank}: {windows}"
 
 
+@pytest.fixture(scope="module")
+def slow_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    """Bug 5's two runs (``checkpoint.async_write`` true and false), their 4 ranks forked from one process
+    (issue 27: one import of torch, not two; :func:`tests.helpers.ranks.popen_group`). They may share it: the
+    same patch and environment, and each rank patches itself after the fork and sleeps on its own watchdog's
+    bound, so the other run's ranks only make its steps slower, not its verdict. The run directory of each."""
+    base = tmp_path_factory.mktemp("slow-save")
+    runs = {async_write: base / ("background" if async_write else "blocking") for async_write in (True, False)}
+    for async_write, run in runs.items():
+        write_spec(run, steps=6, checkpoint={"every_steps": 5, "stall_floor_s": 3.0, "async_write": async_write},
+                   **PIPE)
+    starts = [([str(DRIVER), "--run-dir", str(run)], env)
+              for run in runs.values() for env in rank_envs(2, {PATCHES_VAR: "slow_save"})]
+    all_ok(finish(popen_group(starts), timeout=HANG_S))
+    return runs
+
+
 @pytest.mark.parametrize("async_write", [True, False], ids=["background", "blocking"])
-def test_a_shard_write_slower_than_the_stall_bound_is_no_stall(tmp_path: Path, async_write: bool) -> None:
+def test_a_shard_write_slower_than_the_stall_bound_is_no_stall(slow_saves: dict[bool, Path], async_write: bool) -> None:
     """Bug 5: only rank 0's ``.pt`` write was excluded from the progress watchdog; a DCP shard write
     longer than the bound was taken for a stall (exit 124, failure.json). Here every rank's first
     shard write (step 5) takes twice its armed bound more: blocking, the step-5 checkpoint itself waits;
     in the background (the default), the step-6 checkpoint waits for it. The run completes, both
     checkpoints written."""
-    run = tmp_path / "slow-save"
-    write_spec(run, steps=6, checkpoint={"every_steps": 5, "stall_floor_s": 3.0, "async_write": async_write}, **PIPE)
-    _run(run, "slow_save")
+    run = slow_saves[async_write]
     for rank in range(2):
         slow = json.loads((run / f"slow-save-rank-{rank}.json").read_text())
         assert slow["bound_s"] is not None and slow["slept_s"] > slow["bound_s"]  # armed, and slept past it
