@@ -161,20 +161,9 @@ def test_ddp_ck_under_torchrun_joins_torchruns_world(tmp_path: Path) -> None:
     assert [e["status"] for e in records(run_dir, "end")] == ["completed"]
 
 
-def test_a_process_group_the_script_made_is_reused_and_left_to_it(tmp_path: Path) -> None:
-    result = run_script(tmp_path, """
-        import torch.distributed as dist
-        import cyclone_kit as ck
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        group = dist.group.WORLD
-        ctx = ck.init()
-        ck.log_step(1, samples=2)
-        ck.finish()
-        print("same group", dist.is_initialized() and dist.group.WORLD is group, ctx.world_size)
-        dist.destroy_process_group()
-    """)
-    assert result.returncode == 0, result.stderr
-    assert "same group True 1" in result.stdout
+def test_a_process_group_the_script_made_is_reused_and_left_to_it(instrumented_script: tuple[Path, str]) -> None:
+    _run_dir, stdout = instrumented_script  # the script made its gloo group of one before ck.init()
+    assert "same group True 1" in stdout
 
 
 # --------------------------------------------------------------------------- signal, checkpoint, resume
@@ -239,13 +228,20 @@ def test_a_call_out_of_order_fails_in_one_line_with_exit_2(tmp_path: Path, body:
     assert len(lines) == 1 and lines[0].startswith(message), result.stderr
 
 
-def test_instrument_times_the_loader_the_forward_and_the_optimizer_of_a_script(tmp_path: Path) -> None:
-    """A world of one with a DataLoader whose dataset sleeps in __getitem__: the data wait shows as
-    data_time_s, the rest of the step splits into compute (forward to optimizer step) and other."""
+@pytest.fixture(scope="module")
+def instrumented_script(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A world of one with a DataLoader whose dataset sleeps in __getitem__, in a process group the script made
+    itself before ck.init(): its run directory and stdout. One process for two tests (issue 27: one import of
+    torch, not two); they do not interfere: ck.instrument times the loader and the step on the host clock,
+    whoever made the group, and whether ck.init() reuses a group and leaves it to the script does not depend on
+    what the script logs (the other scripts here, and ddp_ck.py without a launcher, cover ck.init() making its
+    own)."""
+    tmp_path = tmp_path_factory.mktemp("instrumented")
     run_dir = make_run_dir(tmp_path / "run", {"train": {"log_every": 4}})
     result = run_script(tmp_path, """
         import time
         import torch
+        import torch.distributed as dist
         import cyclone_kit as ck
 
         class Slow(torch.utils.data.Dataset):
@@ -255,7 +251,9 @@ def test_instrument_times_the_loader_the_forward_and_the_optimizer_of_a_script(t
                 time.sleep(0.002)
                 return torch.randn(32), i % 4
 
-        ck.init()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        group = dist.group.WORLD
+        ctx = ck.init()
         model = torch.nn.Linear(32, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = ck.instrument(model=model, optimizer=opt,
@@ -267,8 +265,18 @@ def test_instrument_times_the_loader_the_forward_and_the_optimizer_of_a_script(t
             opt.step()
             ck.log_step(step, samples=8, loss=loss)
         ck.finish()
+        print("same group", dist.is_initialized() and dist.group.WORLD is group, ctx.world_size)
+        dist.destroy_process_group()
     """, run_dir=run_dir)
     assert result.returncode == 0, result.stderr
+    return run_dir, result.stdout
+
+
+def test_instrument_times_the_loader_the_forward_and_the_optimizer_of_a_script(
+        instrumented_script: tuple[Path, str]) -> None:
+    """A world of one with a DataLoader whose dataset sleeps in __getitem__: the data wait shows as
+    data_time_s, the rest of the step splits into compute (forward to optimizer step) and other."""
+    run_dir, _stdout = instrumented_script
     steps = records(run_dir, "step")
     assert [s["step"] for s in steps] == [4, 8]
     assert_phases_add_up(steps, communication=False)

@@ -7,10 +7,12 @@ DDP, metrics and checkpoint code run; every process has a timeout so nothing can
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,10 +22,11 @@ from cyclone_kit.runtime import checkpoint as ck
 from cyclone_kit.runtime.engine.data import DEBIAN_FASHION_MNIST
 from tests.helpers.ranks import (
     TIMEOUT_S,
+    all_ok,
     final_params,
     finish,
+    per_run,
     records,
-    run_ranks,
     start_ranks,
     start_runs,
     write_spec,
@@ -31,14 +34,14 @@ from tests.helpers.ranks import (
 from tests.helpers.slow_parts import hold_files, slow_parts_env
 from tests.helpers.slurm_jobs import wait_for
 
-#: A process-group timeout no test waits for: a rank that exits within TIMEOUT_S after its peer died
+#: A process-group timeout no test waits for: a rank that exits within its hang guard after its peer died
 #: noticed the death itself, it did not sit out the gloo timeout.
 PG_TIMEOUT_NEVER_S = 3600
-#: Hang guard for the module's reference runs (5 ranks at once on 2 cores): they are paid for by
+#: Hang guard for the module's runs (module_runs: 9 ranks at once on 2 cores): they are paid for by
 #: the first test that uses them, so they get their own, longer guard.
 RUNS_HANG_S = 600
-#: pytest-timeout of every test here: the first one also pays for a reference run; the signalled
-#: ones run a reference, a signalled run and a resume, each under its own guard.
+#: pytest-timeout of every test here: the first one also pays for the module's runs; the first signalled one
+#: for both signalled runs and their resumes (signalled_runs), each step under its own guard.
 SLOW_TEST_TIMEOUT_S = 900
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)]
@@ -61,20 +64,62 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)]
 
 
 # ------------------------------------------------------------------------ DDP correctness + metrics
+#: Whether Debian's Fashion-MNIST is here: its short run then joins the module's runs.
+HAVE_FASHION_MNIST = (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file()
+
+
+@dataclasses.dataclass
+class ModuleRuns:
+    dirs: dict[str, Path]  #: run directory by run name
+    results: dict[str, list[tuple[int, str, str]]]  #: the ranks' (exit code, stdout, stderr) by run name
+    killed_started: bool  #: whether the "killed" run logged a step before its rank 1 was killed
+
+
 @pytest.fixture(scope="module")
-def pair_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """jobs/smoke.toml with 1 rank x batch 64, 2 ranks x batch 32, and 2 ranks x batch 16 x 2
-    accumulated micro-batches: the same global batch of 64 (run concurrently)."""
+def module_runs(tmp_path_factory: pytest.TempPathFactory) -> ModuleRuns:
+    """Every run of this module that needs no signal, all their ranks forked from one process (issue 27: one
+    import of torch instead of four); each run has its own spec, run directory and rendezvous, so none sees
+    another. The runs, by name:
+
+    * "one", "two", "accum": jobs/smoke.toml with 1 rank x batch 64, 2 ranks x batch 32, and 2 ranks x
+      batch 16 x 2 accumulated micro-batches: the same global batch of 64;
+    * "killed": 2 ranks training for ever, rank 1 SIGKILLed by this fixture once a step was logged
+      (``killed_started``: whether one was, before the hang guard), rank 0 left to exit by itself;
+    * "bad-data": 1 rank on a CIFAR-10 directory that does not exist;
+    * "fmnist" (when the data set is installed): 1 rank, 300 steps of Fashion-MNIST.
+    """
     base = tmp_path_factory.mktemp("pair")
-    one, two, accum = base / "one-rank", base / "two-ranks", base / "two-ranks-accum"
+    dirs = {name: base / name for name in ("one", "two", "accum", "killed", "bad-data", "fmnist")}
     # 640 samples: 10 optimizer steps per epoch in both runs, so 30 steps cross 2 epoch boundaries.
-    write_spec(one, batch_size=64, log_every=1, synthetic_samples=640)
-    write_spec(two, batch_size=32, log_every=1, synthetic_samples=640)
-    write_spec(accum, batch_size=16, grad_accum=2, log_every=1, synthetic_samples=640)
-    procs = start_runs([(two, 2), (one, 1), (accum, 2)])  # forked from one process (issue 27)
-    for rank, (code, out, err) in enumerate(finish(procs, timeout=RUNS_HANG_S)):
-        assert code == 0, f"process {rank} exited {code}\n{out}\n{err}"
-    return {"one": one, "two": two, "accum": accum}
+    write_spec(dirs["one"], batch_size=64, log_every=1, synthetic_samples=640)
+    write_spec(dirs["two"], batch_size=32, log_every=1, synthetic_samples=640)
+    write_spec(dirs["accum"], batch_size=16, grad_accum=2, log_every=1, synthetic_samples=640)
+    # "Promptly" as an event, not a bound: rank 0 must exit by itself (within the hang guard) although
+    # its process-group timeout is far longer than the guard, so it noticed the dead peer.
+    write_spec(dirs["killed"], steps=100000, log_every=1, pg_timeout_s=PG_TIMEOUT_NEVER_S)
+    write_spec(dirs["bad-data"], dataset="cifar10", data_dir=str(base / "no-such-dir"))
+    write_spec(dirs["fmnist"], dataset="fashion_mnist", data_dir=str(DEBIAN_FASHION_MNIST), steps=300, batch_size=64,
+               lr=0.3, base_batch_size=64, warmup_steps=20, log_every=50, val_samples=2000)
+    worlds = {"two": 2, "one": 1, "accum": 2, "killed": 2, "bad-data": 1, **({"fmnist": 1} if HAVE_FASHION_MNIST else {})}
+    procs = start_runs([(dirs[name], world) for name, world in worlds.items()])
+    killed = per_run(procs, list(worlds.values()))[list(worlds).index("killed")]
+    metrics = dirs["killed"] / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and not (metrics.is_file() and '"kind":"step"' in metrics.read_text()):
+        time.sleep(0.05)
+    started = metrics.is_file() and '"kind":"step"' in metrics.read_text()
+    killed[1].kill()  # whether or not it started: the test says which; rank 0 is then killed only on the hang guard
+    results = per_run(finish(procs, timeout=RUNS_HANG_S), list(worlds.values()))
+    return ModuleRuns(dirs, dict(zip(worlds, results, strict=True)), started)
+
+
+@pytest.fixture(scope="module")
+def pair_runs(module_runs: ModuleRuns) -> dict[str, Path]:
+    """jobs/smoke.toml with 1 rank x batch 64, 2 ranks x batch 32, and 2 ranks x batch 16 x 2
+    accumulated micro-batches: the same global batch of 64 (run concurrently), each rank exited 0."""
+    for name in ("one", "two", "accum"):
+        all_ok(module_runs.results[name])
+    return {name: module_runs.dirs[name] for name in ("one", "two", "accum")}
 
 
 def test_two_ranks_with_batch_b_match_one_rank_with_batch_2b(pair_runs: dict[str, Path]) -> None:
@@ -156,29 +201,66 @@ def long_reference(pair_runs: dict[str, Path]) -> Path:
     return run
 
 
-def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(
-        long_reference: Path, tmp_path: Path) -> None:
-    reference = {r["step"]: r["loss"] for r in records(long_reference, "step")}
-    run = tmp_path / "resumed"
-    write_spec(run, checkpoint=NO_WATCHDOG, batch_size=64, log_every=1, synthetic_samples=640, steps=SIGNALLED_STEPS)
+@dataclasses.dataclass
+class Signalled:
+    run: Path  #: its run directory
+    first: list[dict[str, Any]]  #: its records when the signalled segment had ended
+    stopped: list[tuple[int, str, str]]  #: the signalled segment's ranks' (exit code, stdout, stderr)
+    resumed: list[tuple[int, str, str]]  #: the same of the resumed segment
+
+
+@pytest.fixture(scope="module")
+def signalled_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Signalled]:
+    """The module's two signalled runs, "one" (1 rank x batch 64) and "fsdp" (2 ranks x batch 32 with FSDP2),
+    both held after step 12 and sent the requeue signal there (to rank 1 alone for "fsdp"), then resumed.
+    Each signalled segment is its own process (slow_parts' sitecustomize holds one hold directory per process,
+    docs/TESTING.md item 29) and they run at the same time; the two resumes need no hold and are forked from
+    one process (issue 27: one import of torch, not two). Each run has its own spec, run directory, hold
+    directory and rendezvous, and only its own ranks are signalled, so neither sees the other."""
+    base = tmp_path_factory.mktemp("signalled")
+    one, fsdp = base / "resumed", base / "fsdp"
+    write_spec(one, checkpoint=NO_WATCHDOG, batch_size=64, log_every=1, synthetic_samples=640, steps=SIGNALLED_STEPS)
+    # Agree after every step: the stop is then acted on a step or two after the signal, whatever the speed.
+    write_spec(fsdp, checkpoint={"poll_s": 0, **NO_WATCHDOG}, strategy="fsdp", batch_size=32, log_every=1,
+               synthetic_samples=640, steps=SIGNALLED_STEPS)
     # Signal in the second epoch (held after step 12), so the resume starts mid-epoch after an epoch boundary.
-    holds = hold_files(tmp_path / "hold")
-    (proc,) = start_ranks(run, 1, env=slow_parts_env(tmp_path / "hold", hold_step=12))
+    holds_one, holds_fsdp = hold_files(base / "hold-one"), hold_files(base / "hold-fsdp")
+    (proc,) = start_ranks(one, 1, env=slow_parts_env(base / "hold-one", hold_step=12))
+    procs = start_ranks(fsdp, 2, env=slow_parts_env(base / "hold-fsdp", hold_step=12))
+    running = lambda: all(p.poll() is None for p in procs)  # noqa: E731
     try:
-        wait_for(lambda: holds.at(12, [0]) or proc.poll() is not None, TIMEOUT_S, "the rank held after step 12")
+        wait_for(lambda: holds_one.at(12, [0]) or proc.poll() is not None, TIMEOUT_S, "the rank held after step 12")
         proc.send_signal(signal.SIGUSR2)  # the requeue signal: checkpoint and stop (no Slurm here)
-        wait_for(lambda: holds.signalled([0]) or proc.poll() is not None, TIMEOUT_S, "the signal to reach the rank")
+        wait_for(lambda: holds_one.signalled([0]) or proc.poll() is not None, TIMEOUT_S,
+                 "the signal to reach the rank")
+        holds_one.go()
+        wait_for(lambda: holds_fsdp.at(12, range(2)) or not running(), TIMEOUT_S, "both ranks held after step 12")
+        procs[1].send_signal(signal.SIGUSR2)
+        wait_for(lambda: holds_fsdp.signalled([1]) or not running(), TIMEOUT_S, "the signal to reach rank 1")
     finally:
-        holds.go()
-    (code, out, err), = finish([proc])
+        holds_one.go()
+        holds_fsdp.go()
+    stopped = {"one": finish([proc]), "fsdp": finish(procs)}
+    first = {"one": records(one), "fsdp": records(fsdp)}
+    resumed = per_run(finish(start_runs([(one, 1), (fsdp, 2)])), [1, 2])  # the same command again resumes
+    return {name: Signalled(run, first[name], stopped[name], result)
+            for name, run, result in (("one", one, resumed[0]), ("fsdp", fsdp, resumed[1]))}
+
+
+def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(
+        long_reference: Path, signalled_runs: dict[str, Signalled]) -> None:
+    reference = {r["step"]: r["loss"] for r in records(long_reference, "step")}
+    signalled = signalled_runs["one"]  # held after step 12, signalled there, then resumed (signalled_runs)
+    run = signalled.run
+    (code, out, err), = signalled.stopped
     assert code == 0, err
-    first = records(run)
+    first = signalled.first
     assert first[-1]["kind"] == "end" and first[-1]["status"] == "preempted", "the run finished before the signal"
     stopped_at = first[-1]["steps"]
     print(f"signalled while held after step 12; stopped after step {stopped_at}")
     assert 12 <= stopped_at <= 20, "one rank reads its flag after every step: the stop follows the signal"
     assert "not running under Slurm" in out
-    run_ranks(run, 1)  # the same command again resumes
+    all_ok(signalled.resumed)
     recs = records(run)
     starts = [r for r in recs if r["kind"] == "start"]
     ends = [r for r in recs if r["kind"] == "end"]
@@ -194,25 +276,12 @@ def test_interrupted_and_resumed_run_follows_the_uninterrupted_trajectory(
 
 
 # ------------------------------------------------------------------------ failures never hang
-def test_a_killed_rank_makes_the_other_exit_promptly_with_an_error_record(tmp_path: Path) -> None:
-    run = tmp_path / "killed"
-    # "Promptly" as an event, not a bound: rank 0 must exit by itself (within the hang guard) although
-    # its process-group timeout is far longer than the guard, so it noticed the dead peer.
-    write_spec(run, steps=100000, log_every=1, pg_timeout_s=PG_TIMEOUT_NEVER_S)
-    procs = start_ranks(run, 2)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline and not (metrics.is_file() and '"kind":"step"' in metrics.read_text()):
-        time.sleep(0.05)
-    assert metrics.is_file() and '"kind":"step"' in metrics.read_text(), "training never started"
-    procs[1].kill()
-    killed_at = time.monotonic()
-    results = finish(procs[:1], timeout=TIMEOUT_S)  # killed by the test only on the hang guard
-    finish(procs[1:])
-    (code0, _, _err0), = results
-    took = time.monotonic() - killed_at
-    print(f"rank 0 exited {code0} {took:.1f} s after rank 1 was killed")
-    assert code0 not in (0, None) and code0 != -signal.SIGKILL, f"rank 0 exited {code0} after {took:.1f} s"
+def test_a_killed_rank_makes_the_other_exit_promptly_with_an_error_record(module_runs: ModuleRuns) -> None:
+    run = module_runs.dirs["killed"]  # rank 1 was killed once a step was logged (module_runs)
+    assert module_runs.killed_started, "training never started"
+    (code0, _, _err0), _ = module_runs.results["killed"]
+    print(f"rank 0 exited {code0} after rank 1 was killed")
+    assert code0 not in (0, None) and code0 != -signal.SIGKILL, f"rank 0 exited {code0}"
     record = json.loads((run / "ranks" / "error-rank-00000.json").read_text())
     assert record["rank"] == 0 and record["traceback"] and record["type"]
     # The event behind "promptly": rank 0 saw its peer's connection go (not a timeout, not its own fault).
@@ -220,10 +289,9 @@ def test_a_killed_rank_makes_the_other_exit_promptly_with_an_error_record(tmp_pa
     assert records(run)[-1]["status"] == "failed"
 
 
-def test_a_failing_rank_writes_its_error_record_and_one_line(tmp_path: Path) -> None:
-    run = tmp_path / "bad-data"
-    write_spec(run, dataset="cifar10", data_dir=str(tmp_path / "no-such-dir"))
-    (code, _out, err), = finish(start_ranks(run, 1))
+def test_a_failing_rank_writes_its_error_record_and_one_line(module_runs: ModuleRuns) -> None:
+    run = module_runs.dirs["bad-data"]  # a CIFAR-10 directory that does not exist (module_runs)
+    (code, _out, err), = module_runs.results["bad-data"]
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "CIFAR-10 not found" in lines[0] and "HINT:" in lines[0]
@@ -232,51 +300,36 @@ def test_a_failing_rank_writes_its_error_record_and_one_line(tmp_path: Path) -> 
 
 
 # ------------------------------------------------------------------------ real data
-@pytest.mark.skipif(not (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file(),
+@pytest.mark.skipif(not HAVE_FASHION_MNIST,
                     reason=f"Debian's dataset-fashion-mnist is not installed ({DEBIAN_FASHION_MNIST})")
-def test_fashion_mnist_short_run_reaches_a_sane_accuracy(tmp_path: Path) -> None:
-    run = tmp_path / "fmnist"
-    write_spec(run, dataset="fashion_mnist", data_dir=str(DEBIAN_FASHION_MNIST), steps=300, batch_size=64,
-               lr=0.3, base_batch_size=64, warmup_steps=20, log_every=50, val_samples=2000)
-    started = time.monotonic()
-    run_ranks(run, 1)
-    took = time.monotonic() - started
+def test_fashion_mnist_short_run_reaches_a_sane_accuracy(module_runs: ModuleRuns) -> None:
+    run = module_runs.dirs["fmnist"]  # 300 steps x 64 (module_runs)
+    all_ok(module_runs.results["fmnist"])
     epochs = records(run, "epoch")
     accuracy = epochs[-1]["val_accuracy"]
-    print(f"Fashion-MNIST tiny_cnn 300 steps x 64: val accuracy {accuracy:.3f} in {took:.1f} s (process)")
+    print(f"Fashion-MNIST tiny_cnn 300 steps x 64: val accuracy {accuracy:.3f}")
     assert accuracy > 0.70
     assert records(run, "end")[-1]["status"] == "completed"
 
 
 # ------------------------------------------------------------------------ FSDP2, signalled on one rank only
 def test_fsdp_run_signalled_on_one_rank_resumes_on_the_one_rank_trajectory(
-        long_reference: Path, tmp_path: Path) -> None:
+        long_reference: Path, signalled_runs: dict[str, Signalled]) -> None:
     """2 ranks with FSDP2 (batch 32 each) follow 1 rank with batch 64; a requeue signal sent to
     rank 1 alone stops both ranks at the same step (the flag all-reduce), the full-state
     checkpoint resumes exactly."""
     reference = [r["loss"] for r in records(long_reference, "step")]
-    run = tmp_path / "fsdp"
-    # Agree after every step: the stop is then acted on a step or two after the signal, whatever the speed.
-    write_spec(run, checkpoint={"poll_s": 0, **NO_WATCHDOG}, strategy="fsdp", batch_size=32, log_every=1,
-               synthetic_samples=640, steps=SIGNALLED_STEPS)
-    holds = hold_files(tmp_path / "hold")
-    procs = start_ranks(run, 2, env=slow_parts_env(tmp_path / "hold", hold_step=12))
-    running = lambda: all(p.poll() is None for p in procs)  # noqa: E731
-    try:
-        wait_for(lambda: holds.at(12, range(2)) or not running(), TIMEOUT_S, "both ranks held after step 12")
-        procs[1].send_signal(signal.SIGUSR2)
-        wait_for(lambda: holds.signalled([1]) or not running(), TIMEOUT_S, "the signal to reach rank 1")
-    finally:
-        holds.go()
-    for rank, (code, out, err) in enumerate(finish(procs)):
+    signalled = signalled_runs["fsdp"]  # both held after step 12, rank 1 signalled there, then resumed
+    run = signalled.run
+    for rank, (code, out, err) in enumerate(signalled.stopped):
         assert code == 0, f"rank {rank} exited {code}\n{out}\n{err}"
-    first = records(run)
+    first = signalled.first
     assert first[-1]["kind"] == "end" and first[-1]["status"] == "preempted", "the run finished before the signal"
     assert first[0]["strategy"] == "fsdp" and first[0]["world_size"] == 2
     stopped_at = first[-1]["steps"]
     print(f"rank 1 signalled while both were held after step 12; both stopped after step {stopped_at}")
     assert 12 <= stopped_at <= 20, "poll_s 0: the flag all-reduce stops both ranks steps after the signal"
-    run_ranks(run, 2)
+    all_ok(signalled.resumed)
     recs = records(run)
     assert [e["status"] for e in recs if e["kind"] == "end"] == ["preempted", "completed"]
     steps = {r["step"]: r["loss"] for r in recs if r["kind"] == "step"}
