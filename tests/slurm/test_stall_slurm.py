@@ -162,12 +162,13 @@ def test_a_node_that_lost_its_processes_is_requeued_not_left_running(slurm_clust
         holds.go()  # never leave a rank held (a failed wait above would leave it waiting forever)
         info = finish_job(backend, job_id, HANG_S)
     # What the step watcher claims: it ended the step (failure.json is its own, cause rank_lost, below), where srun
-    # alone would have waited until the wall time. So the bound asserted is the wall time; the step watcher's grace
-    # plus Slurm's KillWait (what it takes here, ~70 s) is printed, not asserted: a slack on top of it would be a
-    # guess about the machine's speed (docs/TESTING.md item 2).
-    expected = stepwatch.GRACE_S + _kill_wait_s()
-    print(f"job {job_id}: failure.json {noticed:.1f} s after the kill (grace + KillWait {expected:.0f} s; wall time "
-          f"{60 * LOST_WALL_MIN} s); then {info.state.value}")
+    # alone would have waited until the wall time. So the bound asserted is the wall time. failure.json comes at
+    # once here (rank 0's all-reduce fails on the lost connection); the step ends up to the step watcher's grace plus
+    # Slurm's KillWait later, printed, not asserted: a slack on top would be a guess about the machine's speed
+    # (docs/TESTING.md item 2).
+    step_end = stepwatch.GRACE_S + _kill_wait_s()
+    print(f"job {job_id}: failure.json {noticed:.1f} s after the kill (the step's end: up to grace + KillWait "
+          f"{step_end:.0f} s after it; wall time {60 * LOST_WALL_MIN} s); then {info.state.value}")
     assert noticed < 60 * LOST_WALL_MIN, (noticed, LOST_WALL_MIN)
     assert info.state is JobState.COMPLETED, info
     records = _records(run_dir)
