@@ -286,3 +286,13 @@ class Holds:
 def hold_files(folder: Path) -> Holds:
     """The hold files of ``slow_parts_env(folder, ...)`` (its default ``hold_dir``)."""
     return Holds(Path(folder) / "hold")
+
+
+def watchdog_out_of_reach(hang_s: float) -> tuple[str, ...]:
+    """``--set`` options for a job whose ranks a test holds while it acts (finds and kills a node's processes):
+    the progress watchdog stays armed (the step watcher tells a vanished rank by its progress record) with a bound
+    no hold the test allows can reach: the floor at the test's hang guard ``hang_s``, ``train.pg_timeout_s`` twice
+    that (the bound stays below 0.6 x the timeout). With smoke.toml's 60 s timeout a hold had to end within 36 s,
+    a margin a 5x slower machine could eat (docs/TESTING.md item 9). A killed peer is still seen at once: the
+    survivors' all-reduce fails on the lost connection, not on the timeout."""
+    return ("--set", f"checkpoint.stall_floor_s={hang_s:g}", "--set", f"train.pg_timeout_s={int(2 * hang_s)}")
