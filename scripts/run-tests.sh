@@ -14,7 +14,7 @@
 # scheduler's waits (Slurm's 60-120 s signal window, requeues, a lost node's detection) and not CPU. Both whole
 # tiers side by side ran 1.9-2.5x slower each (2,103 s on a fresh CI machine), one after the other 1,881 s.
 # So CPU-bound work runs beside wait-bound work: the Slurm files whose time is mostly waiting run beside the
-# integration tier, and the Slurm files with more CPU in their jobs (the pipeline's 8-rank ResNet-18 jobs, the
+# integration tier, and the Slurm files with more CPU in their jobs (the pipeline's two 4-rank jobs, requeued, the
 # published examples) beside the integration files that ask little CPU for their wall time (a CLI a test,
 # users' scripts through the shim, a made slow link or file system; ~280 CPU-s). Until 6c4effa the suite ran
 # in two phases with a barrier between them: on the CI machine phase 1 kept the cores 84-85 % busy and its

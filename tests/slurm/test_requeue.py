@@ -13,6 +13,9 @@ machine trains (issues 12, 27):
   itself signals it 60-120 s after the start. Each of its steps sleeps STEP_DELAY_S (a floor on
   step time that costs no core: the cores stay free for the other job and tier), so its step count
   cannot be finished by then on any machine. It checkpoints, ends "preempted" and is not requeued.
+  Its steps until the signal are most of what it costs: at 0.3 s a step they were 200-400 (its job 23 CPU-s,
+  sacct TotalCPU), at 2 s they are 30-60 (12 CPU-s; issue 27). The bound of its progress watchdog (36 s
+  with smoke.toml's 60 s process-group timeout) and the signal's 60 s lead stay far above a 2 s step.
 
 Both take about 2 minutes together, most of it the wait for Slurm's own signal.
 """
@@ -36,13 +39,15 @@ from tests.helpers.slurm_jobs import cancel_quietly, read_records, submit_smoke,
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-STEPS = 40
+#: the requeued job's steps: a multiple of smoke.toml's checkpoint.every_steps (10), so its last checkpoint is
+#: the last step's either way; 20 (was 40) leaves the second segment >= 14 steps (issue 27)
+STEPS = 20
 #: the requeued job's ranks wait after this optimizer step until the test's signal reached both
 HOLD_STEP = 3
 #: the genuine #SBATCH --signal path: Slurm signals 60-120 s after the start (it may signal up to
-#: 60 s early); at STEP_DELAY_S or more per step these steps take at least 50 minutes
+#: 60 s early); at STEP_DELAY_S or more per step these steps take at least 5 hours
 GENUINE_STEPS = 10_000
-STEP_DELAY_S = 0.3
+STEP_DELAY_S = 2.0
 COMMON = ("--nodes", "2", "--ntasks-per-node", "1")
 DRIVEN = (*COMMON, "--time", "15")
 GENUINE = (*COMMON, "--time", "3")
