@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-out", type=Path, help=argparse.SUPPRESS)  # the per-rank mode (set by this script)
     p.add_argument("--batch", type=int, default=32 if quick() else 256)
     p.add_argument("--steps", type=int, default=30 if quick() else 120)
-    p.add_argument("--width", type=int, default=1024, help="hidden units of ddp_ck.py's model")
+    p.add_argument("--width", type=int, default=64 if quick() else 1024, help="hidden units of ddp_ck.py's model")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--nproc", type=int, default=2)
     args, rest = p.parse_known_args(argv)

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio timed/untimed: {ratio:.3f} (median of per-pair ratios; spread {min(ratios):.3f}-{max(ratios):.3f}); "
           f"timing cost {100 * (1 - ratio):.1f}% of a step  target >= {TARGET}  {verdict(met)}")
     print(f"  mean {mean:.3f}, 95% interval {mean - half:.3f}-{mean + half:.3f}")
-    cost = host_cost_us()
+    cost = host_cost_us(1_000 if quick() else 10_000)
     step_ms = median([b["step_time_s"] for b in breakdowns])
     print(f"timing's own host work: {cost:.1f} us per step (CPU time, in-process; one bucket) = "
           f"{100 * cost / (1000 * step_ms):.3f}% of the timed side's median step ({step_ms:.1f} ms here)")

@@ -64,7 +64,7 @@ def commands(is_quick: bool) -> dict[str, list[str]]:
     py = sys.executable
     if is_quick:
         cli = [py, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); import cli_latency as c; "
-               "c.REPEATS = 2; sys.exit(c.main())"]
+               "c.REPEATS = 1; sys.exit(c.main())"]
         analysis = [py, str(BENCH / "analysis.py"), "--runs", "4", "--steps", "200", "--repeat", "1"]
     else:
         cli = [py, str(BENCH / "cli_latency.py")]
