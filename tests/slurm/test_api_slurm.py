@@ -10,6 +10,11 @@ resumes it and it completes: every optimizer step logged exactly once across bot
 
 The same again through ``cyclone-kit submit examples/ddp_ck.py`` (the generated script, the launch
 shim in front of the script on every rank), with ``checkpoint.poll_s=0`` from the command line.
+
+Both jobs are submitted at once by one module-scoped fixture and run side by side on c1 and c2 (1 CPU
+of each node's 4 per job), each held and signalled on its own hold files: a test's wall time was mostly
+its job's requeue round trip (the stop, Slurm's requeue, the second segment's start), and the two
+round trips now overlap (issue 27: 66-77 s for the file, one job after the other).
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from tests.helpers.cli import REPO, run_cli
 from tests.helpers.slow_parts import hold_files, slow_parts_env
 from tests.helpers.slurm_jobs import cancel_quietly, parse_submit_output, read_records, wait_for
 
-#: pytest-timeout of a test: its own waits (first steps, a requeue, a resume) are each bounded below it.
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
+#: pytest-timeout of a test, the first with the module fixture's two jobs: the waits of each job (first steps, a
+#: requeue, a resume) are each bounded below it.
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 STEPS = 40
 #: both ranks wait after this optimizer step of the first segment until the signal reached them
@@ -74,22 +80,50 @@ def sbatch_script(run_dir: Path) -> str:
     """)
 
 
-def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once(
-        slurm_cluster: dict[str, str], tmp_path: Path) -> None:
-    run_dir = tmp_path / "ddp-ck"
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "spec.json").write_text(json.dumps({"train": {"log_every": 1}, "checkpoint": {"poll_s": 0}}))
-    script = tmp_path / "job.sbatch"
-    script.write_text(sbatch_script(run_dir))
-    holds = hold_files(tmp_path / "parts")
-    env = slow_parts_env(tmp_path / "parts", hold_step=HOLD_STEP)  # sbatch passes its environment on
-    job_id = run_command(["sbatch", "--parsable", str(script)], timeout=60, env=env).stdout.strip().split(";")[0]
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Submit the hand-written job and the ``cyclone-kit submit`` job at once; signal each once held; wait for both.
+
+    name -> (job id, run dir, final JobInfo)."""
     backend = SlurmBackend()
+    holds: dict[str, Any] = {}
+    submitted: dict[str, tuple[str, Path]] = {}
     try:
-        signal_while_held(job_id, run_dir, holds)
-        info = backend.wait(job_id, timeout=300)
+        # the hand-written script's job
+        tmp = tmp_path_factory.mktemp("ddp-ck-sbatch")
+        run_dir = tmp / "ddp-ck"
+        (run_dir / "logs").mkdir(parents=True)
+        (run_dir / "spec.json").write_text(json.dumps({"train": {"log_every": 1}, "checkpoint": {"poll_s": 0}}))
+        script = tmp / "job.sbatch"
+        script.write_text(sbatch_script(run_dir))
+        holds["sbatch"] = hold_files(tmp / "parts")
+        env = slow_parts_env(tmp / "parts", hold_step=HOLD_STEP)  # sbatch passes its environment on
+        job_id = run_command(["sbatch", "--parsable", str(script)], timeout=60, env=env).stdout.strip().split(";")[0]
+        submitted["sbatch"] = (job_id, run_dir)
+        # the same script through cyclone-kit submit; --cpus-per-task 1 as in the hand-written script (a script's
+        # default is its node's 4 CPUs shared among its tasks, which would leave no room for the other job)
+        tmp = tmp_path_factory.mktemp("ddp-ck-cli")
+        holds["cli"] = hold_files(tmp / "parts")
+        result = run_cli("submit", str(REPO / "examples" / "ddp_ck.py"), "--profile", "local", "--partition", "cpu",
+                         "--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task", "1", "--time", "00:10:00",
+                         "--runs-dir", str(tmp), "--set", "checkpoint.poll_s=0", "--", "--steps", str(STEPS),
+                         "--batch-size", "32",
+                         env={"CYCLONE_LOG_EVERY": "1", **slow_parts_env(tmp / "parts", hold_step=HOLD_STEP)},
+                         timeout=60)
+        assert result.returncode == 0, result.stderr
+        submitted["cli"] = parse_submit_output(result.stdout)
+        for name, (job_id, run_dir) in submitted.items():
+            signal_while_held(job_id, run_dir, holds[name])
+        return {name: (job_id, run_dir, backend.wait(job_id, timeout=300))
+                for name, (job_id, run_dir) in submitted.items()}
     finally:
-        cancel_quietly(backend, job_id)
+        for name, (job_id, _) in submitted.items():
+            holds[name].go()  # never leave a rank held (a failed wait for the first job skips the second's)
+            cancel_quietly(backend, job_id)
+
+
+def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once(jobs: dict[str, Any]) -> None:
+    job_id, run_dir, info = jobs["sbatch"]
     records: list[dict[str, Any]] = read_records(run_dir)
     out = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
     starts = [r for r in records if r["kind"] == "start"]
@@ -112,23 +146,9 @@ def test_ddp_ck_is_signalled_checkpoints_is_requeued_and_resumes_every_step_once
           f"(preempted end record -> next start record) {(when[1] - when[0]).total_seconds():.1f} s")
 
 
-def test_ddp_ck_submitted_by_cyclone_kit_is_requeued_and_resumes_every_step_once(
-        slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+def test_ddp_ck_submitted_by_cyclone_kit_is_requeued_and_resumes_every_step_once(jobs: dict[str, Any]) -> None:
+    job_id, run_dir, info = jobs["cli"]
     steps = STEPS
-    holds = hold_files(tmp_path / "parts")
-    result = run_cli("submit", str(REPO / "examples" / "ddp_ck.py"), "--profile", "local", "--partition", "cpu",
-                     "--nodes", "2", "--ntasks-per-node", "1", "--time", "00:10:00", "--runs-dir", str(tmp_path),
-                     "--set", "checkpoint.poll_s=0", "--", "--steps", str(steps), "--batch-size", "32",
-                     env={"CYCLONE_LOG_EVERY": "1", **slow_parts_env(tmp_path / "parts", hold_step=HOLD_STEP)},
-                     timeout=60)
-    assert result.returncode == 0, result.stderr
-    job_id, run_dir = parse_submit_output(result.stdout)
-    backend = SlurmBackend()
-    try:
-        signal_while_held(job_id, run_dir, holds)
-        info = backend.wait(job_id, timeout=300)
-    finally:
-        cancel_quietly(backend, job_id)
     records = read_records(run_dir)
     out = "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
     starts = [r for r in records if r["kind"] == "start"]
