@@ -15,6 +15,10 @@ patch wraps a name the engine looks up at call time, as tests/helpers/pipeline_r
   rank 0's first gradient shard is inf (only the rank owning that element sees it), in the pipeline
   stage 0's first gradient element.
 
+With ``$CK_GATE=stdin`` the driver first waits for one line on its stdin, a JSON object of environment
+variables to set (the rendezvous port, picked when the rank is let go), before it imports the engine: the test
+forks its ranks from one process long before each runs (end-of-file instead: exit 3, nothing run).
+
 The driver also appends, per optimizer step, what it saw to ``DIR/choices-rank-N.jsonl``: the loss
 scale before and after the step (``scale``, ``after``), whether the step was skipped, the optimizer's
 ``fused`` flag and whether the first 4-D parameter is channels_last (a pipeline without a loss scaler:
@@ -36,6 +40,10 @@ sys.path.insert(0, str(REPO))
 CHOICES_VAR = "CK_GPU_CHOICES"
 #: The environment variable naming the step of this process that ``overflow`` overflows (default 1).
 OVERFLOW_VAR = "CK_OVERFLOW_STEP"
+#: The environment variable that makes the driver wait for its go line on stdin (``stdin``; see the top).
+GATE_VAR = "CK_GATE"
+#: The exit status of a driver whose stdin ended before its go line (the test let it go never).
+NOT_LET_GO = 3
 
 
 def _rank() -> int:
@@ -178,7 +186,24 @@ def watch_steps(run_dir: Path, overflow: bool) -> None:
     torch.amp.GradScaler.scale = overflowed_scale  # type: ignore[method-assign]
 
 
+def wait_at_gate() -> None:
+    """Block (no CPU) until one line arrives on stdin, set its JSON object's variables, and give stdin
+    ``/dev/null`` again; end-of-file first: exit :data:`NOT_LET_GO`."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(0, 4096)
+        if not chunk:
+            raise SystemExit(NOT_LET_GO)
+        line += chunk
+    os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+
+
 def main(argv: list[str]) -> int:
+    if os.environ.get(GATE_VAR) == "stdin":
+        wait_at_gate()
     run_dir = Path(argv[argv.index("--run-dir") + 1])
     choices = [c for c in os.environ.get(CHOICES_VAR, "").split(",") if c]
     for name in choices:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -76,25 +77,30 @@ def popen_ranks(target: list[str], envs: list[dict[str, str]], cwd: Path = REPO)
     return popen_group([(target, env) for env in envs], cwd)
 
 
-def popen_group(starts: list[tuple[list[str], dict[str, str]]], cwd: Path = REPO) -> list[Any]:
+def popen_group(starts: list[tuple[list[str], dict[str, str]]], cwd: Path = REPO, stdin: list[int] | None = None,
+                preload: Sequence[str] = prefork.PRELOAD) -> list[Any]:
     """:func:`popen_ranks` for processes with targets of their own (several runs' ranks), all forked from one
     process. What a library reads at import (``TORCH_DISTRIBUTED_DEBUG``: torch.distributed) is the first
-    environment's: group only processes that agree on it."""
+    environment's: group only processes that agree on it. ``stdin``: each process's stdin, a descriptor of
+    this process (a pipe's read end, which the caller may close once this returns); default: ``/dev/null``
+    when forked, this process's stdin when not. ``preload``: what the forking process imports (the launcher's
+    by default)."""
     files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in starts]  # noqa: SIM115 (closed by communicate)
+    inputs = stdin if stdin is not None else [None] * len(starts)
     ranks = []
-    for (target, env), (out, err) in zip(starts, files, strict=True):
+    for (target, env), (out, err), fd in zip(starts, files, inputs, strict=True):
         module, script = (target[1], None) if target[0] == "-m" else (None, target[0])
         ranks.append(prefork.RankStart(args=tuple(target[2:] if module else target[1:]), env=env, module=module,
                                        script=script, cwd=str(cwd), stdout=out.fileno(), stderr=err.fileno(),
-                                       new_session=False))
-    forked = prefork.spawn(ranks, cwd=str(cwd))
+                                       stdin=fd, new_session=False))
+    forked = prefork.spawn(ranks, cwd=str(cwd), preload=preload)
     if forked is not None:
         return [ForkedRank(proc.pid, out, err) for proc, (out, err) in zip(forked, files, strict=True)]
     for out, err in files:
         out.close()
         err.close()
-    return [subprocess.Popen([sys.executable, *target], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for target, env in starts]
+    return [subprocess.Popen([sys.executable, *target], env=env, cwd=cwd, stdin=fd, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for (target, env), fd in zip(starts, inputs, strict=True)]
 
 
 def rank_envs(world: int, extra: dict[str, str] | None = None) -> list[dict[str, str]]:

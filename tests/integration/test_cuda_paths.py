@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.child_ranks import run_child_ranks
-from tests.helpers.ranks import TIMEOUT_S, clean_env
+from tests.helpers.child_ranks import RANK_TIMEOUT_S, child_env, free_port
+from tests.helpers.ranks import TIMEOUT_S, all_ok, clean_env, finish, popen_group
 
 #: One pair of gloo ranks for the tests below that need 2 ranks of plain torch (issue 27: 2 rank starts,
-#: were 8 in 4 runs); each part uses its own model and ends with a barrier, and the results are one
+#: were 8 in 4 runs), forked from one process that imported torch (ranks.popen_group: one import, not one per
+#: rank; 6.9 -> ~3.5 CPU-s); each part uses its own model and ends with a barrier, and the results are one
 #: JSON file per rank that each test reads its part of.
 GLOO_PAIR = r"""
 import datetime, json, os, sys
@@ -115,8 +116,11 @@ os._exit(0)
 @pytest.fixture(scope="module")
 def gloo_pair(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's results of GLOO_PAIR (both ranks exited 0)."""
-    out = tmp_path_factory.mktemp("gloo-pair") / "r"
-    run_child_ranks(GLOO_PAIR, 2, str(out))
+    root = tmp_path_factory.mktemp("gloo-pair")
+    script, out, port = root / "pair.py", root / "r", str(free_port())
+    script.write_text(GLOO_PAIR)
+    all_ok(finish(popen_group([([str(script), str(r), port, str(out)], child_env()) for r in range(2)]),
+                  timeout=RANK_TIMEOUT_S))
     return [json.loads(Path(f"{out}-{r}.json").read_text()) for r in range(2)]
 
 
