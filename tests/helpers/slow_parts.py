@@ -33,6 +33,13 @@ It also makes moments that a test must act in, instead of hoping to land in them
   surely in progress (the temporary file exists, complete but not yet renamed).
 
 R is ``RANK``, else ``SLURM_PROCID``, else 0. :func:`hold_files` names the files for a test.
+
+``HOLD_DIR`` is read when a hold is set, not when the file runs: ``$CK_SLOW_PARTS_HOLD_DIR`` (which
+:func:`slow_parts_env` sets) when this process's environment has it, else the folder the file was written
+with. Ranks forked from one process (:mod:`cyclone_kit.core.prefork`, :func:`tests.helpers.ranks.popen_group`)
+ran this file once, in that process, with the first rank's environment; each still holds in its own folder
+(issue 27: two held runs' ranks forked from one process, one import of torch for both), provided they agree on
+everything else (``hold_step``, ``hold_write``, the delays).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ ALLREDUCE_DELAY_S = {allreduce}
 LOAD_DELAY_S = {load}
 STEP_DELAY_S = {step_delay}
 HOLD_DIR = {hold_dir}
+HOLD_DIR_VAR = {hold_dir_var}
 HOLD_STEP = {hold_step}
 HOLD_WRITE = {hold_write}
 HOLD_SHARD = {hold_shard}
@@ -88,6 +96,13 @@ def _rank():
     return 0
 
 
+def _hold_dir():
+    """This process's hold folder: its environment's (a rank forked from a process that ran this file with
+    another rank's environment), else the one this file was written with."""
+    import os
+    return os.environ.get(HOLD_DIR_VAR) or HOLD_DIR
+
+
 def _wait_for(path):
     import os
     while not os.path.exists(path):
@@ -118,12 +133,13 @@ def _step_hooks(module):
         if HOLD_STEP is None or _steps[0] != HOLD_STEP or not _fresh_segment():
             return
         rank = _rank()
-        held = os.path.join(HOLD_DIR, "held-rank-%d" % rank)
-        go = os.path.join(HOLD_DIR, "go")
+        hold_dir = _hold_dir()
+        held = os.path.join(hold_dir, "held-rank-%d" % rank)
+        go = os.path.join(hold_dir, "go")
         if os.path.exists(go) or os.path.exists(held):
             return
         _touch(held)
-        _touch(os.path.join(HOLD_DIR, "at-%d-rank-%d" % (HOLD_STEP, rank)))
+        _touch(os.path.join(hold_dir, "at-%d-rank-%d" % (HOLD_STEP, rank)))
         _wait_for(go)
 
     module.register_optimizer_step_post_hook(after_step)
@@ -140,7 +156,7 @@ def _note_signals():
             return install(signum, handler)
 
         def handle(number, frame):
-            _touch(os.path.join(HOLD_DIR, "signal-rank-%d" % _rank()), "%d\\n" % number)
+            _touch(os.path.join(_hold_dir(), "signal-rank-%d" % _rank()), "%d\\n" % number)
             return handler(number, frame)
 
         handle.__wrapped__ = handler
@@ -169,9 +185,10 @@ def _hold_fsyncs(pattern, nth, marker, when=None):
             target = ""
         if name.match(os.path.basename(target)):
             seen[0] += 1
-            release = os.path.join(HOLD_DIR, "release")
+            hold_dir = _hold_dir()
+            release = os.path.join(hold_dir, "release")
             if seen[0] == nth and not os.path.exists(release) and (when is None or when()):
-                _touch(os.path.join(HOLD_DIR, marker % _rank() if "%d" in marker else marker), target + "\\n")
+                _touch(os.path.join(hold_dir, marker % _rank() if "%d" in marker else marker), target + "\\n")
                 _wait_for(release)
         return fsync(fd)
 
@@ -219,12 +236,16 @@ if _PATCHES:
     sys.meta_path.insert(0, _AfterImport(_PATCHES))
 '''
 
+#: The environment variable naming a process's hold folder (see the module's docstring).
+HOLD_DIR_VAR = "CK_SLOW_PARTS_HOLD_DIR"
+
 
 def slow_parts_env(folder: Path, *, allreduce_delay_s: float = 0.0, load_delay_s: float = 0.0,
                    step_delay_s: float = 0.0, hold_step: int | None = None, hold_write: int | None = None,
                    hold_shard: int | None = None, hold_shard_rank: int | None = None,
                    hold_dir: Path | None = None) -> dict[str, str]:
-    """Write the ``sitecustomize.py`` into ``folder``; returns the environment that makes every rank load it.
+    """Write the ``sitecustomize.py`` into ``folder``; returns the environment that makes every rank load it
+    (``PYTHONPATH``) and names its hold folder (:data:`HOLD_DIR_VAR`).
 
     Args:
         folder: where the file goes (created).
@@ -244,12 +265,13 @@ def slow_parts_env(folder: Path, *, allreduce_delay_s: float = 0.0, load_delay_s
         hold.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE.format(
         allreduce=float(allreduce_delay_s), load=float(load_delay_s), step_delay=float(step_delay_s),
-        hold_dir=repr(str(hold.resolve())), hold_step=None if hold_step is None else int(hold_step),
+        hold_dir=repr(str(hold.resolve())), hold_dir_var=repr(HOLD_DIR_VAR),
+        hold_step=None if hold_step is None else int(hold_step),
         hold_write=None if hold_write is None else int(hold_write),
         hold_shard=None if hold_shard is None else int(hold_shard),
         hold_shard_rank=None if hold_shard_rank is None else int(hold_shard_rank)))
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path}
+    return {"PYTHONPATH": path, HOLD_DIR_VAR: str(hold.resolve())}
 
 
 class Holds:

@@ -18,18 +18,20 @@ resume from a copy: test_strategies.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from cyclone_kit.runtime import checkpoint as ckpt
 from tests.helpers.cli import REPO, jsonl_records
-from tests.helpers.ranks import finish, records, run_ranks, start_ranks, write_spec
+from tests.helpers.ranks import all_ok, finish, per_run, popen_group, rank_envs, records, start_runs, write_spec
 from tests.helpers.slow_parts import hold_files, slow_parts_env
 from tests.helpers.slurm_jobs import wait_for
 
@@ -161,50 +163,119 @@ def _segments(run_dir: Path) -> list[dict[int, float]]:
     return segments
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
-def test_a_rank_killed_during_its_background_shard_write_leaves_no_good_checkpoint(tmp_path: Path,
-                                                                                   strategy: str) -> None:
+#: The strategies whose sharded checkpoints a rank is killed in the middle of (one run each).
+SHARDED = ("fsdp", "pipeline")
+EVERY, TOTAL = 2, 8  #: checkpoints every 2 steps of 8
+
+
+@dataclasses.dataclass
+class KilledRun:
+    run: Path  #: its run directory
+    alive_when_held: bool  #: both ranks were running when rank 1's shard write of step 4 was held
+    complete_when_held: list[int]  #: the complete checkpoints then
+    dcp_when_held: bool  #: step 4's shard folder existed then
+    pt_in_flight: bool  #: step 4's .pt existed once training was past step 4 (the held write still in flight)
+    killed: list[tuple[int, str, str]]  #: the first segment's ranks' (exit code, stdout, stderr)
+    left: list[str]  #: the files of its checkpoint folder once both had ended
+    complete_left: list[int]  #: its complete checkpoints then
+    latest: tuple[int, Any, Path]  #: the step, model entry and path of the newest one that loaded then
+    resumed: list[tuple[int, str, str]]  #: the same of the resumed segment
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KilledRun]:
+    """One 2-rank run per strategy of :data:`SHARDED`, rank 1 SIGKILLed while its shard write of step 4 is held,
+    then resumed. The two first segments' 4 ranks are forked from one process, and so are the two resumes'
+    (issue 27: two imports of torch, not four): slow_parts' sitecustomize runs once, in the process they are
+    forked from, and each rank holds in the folder its own environment names (``CK_SLOW_PARTS_HOLD_DIR``; both
+    runs hold the same write, docs/TESTING.md item 29). Each run has its own spec, run directory, hold folder
+    and rendezvous, and only its own rank 1 is killed; each run's moments are acted on as soon as they come (one
+    polling loop for both), as they were when each run had its process of its own."""
+    base = tmp_path_factory.mktemp("killed-during-write")
+    runs = {strategy: base / strategy for strategy in SHARDED}
+    starts = []
+    for strategy, run in runs.items():
+        layout = (dict(pipeline_stages=2, microbatches=2, pipeline_schedule="gpipe") if strategy == "pipeline"
+                  else {})
+        write_spec(run, checkpoint={"every_steps": EVERY, "keep": 3, "async_write": True,
+                                    **({"sharded": True} if strategy == "fsdp" else {})},
+                   strategy=strategy, batch_size=32, log_every=1, synthetic_samples=640, steps=TOTAL,
+                   val_samples=64, **layout)
+        env = slow_parts_env(base / f"slow-{strategy}", hold_shard=2, hold_shard_rank=1)
+        starts += [(["-m", "cyclone_kit.runtime", "--run-dir", str(run)], rank_env) for rank_env in rank_envs(2, env)]
+    procs = dict(zip(runs, per_run(popen_group(starts), [2] * len(runs)), strict=True))
+    holds = {strategy: hold_files(base / f"slow-{strategy}") for strategy in runs}
+    seen: dict[str, dict[str, object]] = {strategy: {} for strategy in runs}
+
+    def act() -> bool:
+        """Take each run one moment further (held: note what is on disk; past step 4: note, kill rank 1)."""
+        for strategy, run in runs.items():
+            ranks, now, ckpts = procs[strategy], seen[strategy], run / "checkpoints"
+            if "killed" in now:
+                continue
+            if "alive" not in now:
+                if holds[strategy].writing_shard(1) or any(p.poll() is not None for p in ranks):
+                    now.update(alive=all(p.poll() is None for p in ranks),
+                               complete=[s for s, _ in ckpt.list_checkpoints(ckpts)],
+                               dcp=(ckpts / "ckpt-000000004.dcp").is_dir())
+                    if not now["alive"]:
+                        now["killed"] = False  # nothing to wait for: the test says what happened
+                continue
+            # Asynchronous: both ranks train on while rank 1's write of step 4 is held (step 6's checkpoint waits).
+            if max(_segments(run)[0], default=0) >= 2 * EVERY + 1:
+                now["pt"] = ckpt.checkpoint_path(ckpts, 2 * EVERY).exists()
+                ranks[1].kill()  # SIGKILL
+                now["killed"] = True
+        return all("killed" in now for now in seen.values())
+
+    try:
+        wait_for(act, TIMEOUT_S, "rank 1's shard write of step 4 held in every run, training past it, the kill")
+        killed = dict(zip(runs, per_run(finish([p for ranks in procs.values() for p in ranks]),
+                                        [2] * len(runs)), strict=True))
+    finally:
+        for ranks in procs.values():
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    after = {}
+    for strategy, run in runs.items():
+        state, path = ckpt.load_latest(run / "checkpoints")
+        after[strategy] = (sorted(p.name for p in (run / "checkpoints").iterdir()),
+                           [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")],
+                           (state["step"], state["model"], path))
+    resumed = per_run(finish(start_runs([(run, 2) for run in runs.values()])), [2] * len(runs))  # no hold
+    return {strategy: KilledRun(run, bool(seen[strategy]["alive"]), list(seen[strategy]["complete"]),
+                                bool(seen[strategy]["dcp"]), bool(seen[strategy].get("pt")), killed[strategy],
+                                *after[strategy], result)
+            for (strategy, run), result in zip(runs.items(), resumed, strict=True)}
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_a_rank_killed_during_its_background_shard_write_leaves_no_good_checkpoint(
+        killed_runs: dict[str, KilledRun], strategy: str) -> None:
     """FSDP's shards (``checkpoint.sharded``) or a pipeline's stages (2 stages, one per rank), 2 gloo ranks,
     checkpoints every 2 steps written in the background on both. Rank 1's write of step 4 is held (the fsync
     of its DCP file), so its ``.pt`` is never written; training goes on to step 5 meanwhile; rank 1 is
     SIGKILLed there. Rank 0 fails, step 2 (whose ``.pt`` was written when step 4's checkpoint started) is the
     newest good checkpoint, and the same run directory resumes from it onto the first segment's losses; the
-    orphaned DCP directory is pruned."""
-    every, total = 2, 8
-    run = tmp_path / "run"
-    layout = (dict(pipeline_stages=2, microbatches=2, pipeline_schedule="gpipe") if strategy == "pipeline"
-              else {})
-    write_spec(run, checkpoint={"every_steps": every, "keep": 3, "async_write": True,
-                                **({"sharded": True} if strategy == "fsdp" else {})},
-               strategy=strategy, batch_size=32, log_every=1, synthetic_samples=640, steps=total, val_samples=64,
-               **layout)
-    holds = hold_files(tmp_path / "hold")
-    procs = start_ranks(run, 2, env=slow_parts_env(tmp_path / "hold", hold_shard=2, hold_shard_rank=1))
-    ckpts = run / "checkpoints"
-    try:
-        wait_for(lambda: holds.writing_shard(1) or any(p.poll() is not None for p in procs), TIMEOUT_S,
-                 "rank 1's shard write of step 4 to be held")
-        assert all(p.poll() is None for p in procs), finish(procs, timeout=5)
-        assert [s for s, _ in ckpt.list_checkpoints(ckpts)] == [every], "step 2's .pt came before step 4's shards"
-        assert (ckpts / "ckpt-000000004.dcp").is_dir()
-        # Asynchronous: both ranks train on while rank 1's write of step 4 is held (step 6's checkpoint waits for it).
-        wait_for(lambda: max(_segments(run)[0], default=0) >= 2 * every + 1, TIMEOUT_S, "training past step 4")
-        assert not ckpt.checkpoint_path(ckpts, 2 * every).exists(), "no .pt while a rank's shards are in flight"
-        procs[1].kill()  # SIGKILL
-        (code0, out0, err0), (code1, _, _) = finish(procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    orphaned DCP directory is pruned (the runs: :func:`killed_runs`)."""
+    every, total = EVERY, TOTAL
+    done = killed_runs[strategy]
+    run, ckpts = done.run, done.run / "checkpoints"
+    (code0, out0, err0), (code1, _, _) = done.killed
+    assert done.alive_when_held, (code0, out0[-2000:], err0[-3000:])
+    assert done.complete_when_held == [every], "step 2's .pt came before step 4's shards"
+    assert done.dcp_when_held
+    assert not done.pt_in_flight, "no .pt while a rank's shards are in flight"
     print(f"rank 1 SIGKILLed during its shard write of step 4: rank 0 exit {code0}; "
-          f"checkpoints left: {sorted(p.name for p in ckpts.iterdir())}")
+          f"checkpoints left: {done.left}")
     assert code1 == -9 and code0 != 0, (code0, out0[-2000:], err0[-3000:])
-    assert [s for s, _ in ckpt.list_checkpoints(ckpts)] == [every]
-    state, path = ckpt.load_latest(ckpts)
-    assert state["step"] == every and state["model"] == {"dcp": "ckpt-000000002.dcp"}, path
+    assert done.complete_left == [every]
+    step, model, path = done.latest
+    assert step == every and model == {"dcp": "ckpt-000000002.dcp"}, path
 
-    results = run_ranks(run, 2)  # the same run directory, no hold
+    results = all_ok(done.resumed)  # the same run directory, no hold
     assert f"resumed from {ckpt.checkpoint_path(ckpts, every)} at step {every}" in results[0][1], results[0][1]
     first, second = _segments(run)
     assert sorted(second) == list(range(every + 1, total + 1)), "every step after the checkpoint, once"

@@ -26,8 +26,9 @@ from tests.helpers.ranks import (
     final_params,
     finish,
     per_run,
+    popen_group,
+    rank_envs,
     records,
-    start_ranks,
     start_runs,
     write_spec,
 )
@@ -213,10 +214,12 @@ class Signalled:
 def signalled_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Signalled]:
     """The module's two signalled runs, "one" (1 rank x batch 64) and "fsdp" (2 ranks x batch 32 with FSDP2),
     both held after step 12 and sent the requeue signal there (to rank 1 alone for "fsdp"), then resumed.
-    Each signalled segment is its own process (slow_parts' sitecustomize holds one hold directory per process,
-    docs/TESTING.md item 29) and they run at the same time; the two resumes need no hold and are forked from
-    one process (issue 27: one import of torch, not two). Each run has its own spec, run directory, hold
-    directory and rendezvous, and only its own ranks are signalled, so neither sees the other."""
+    The two signalled segments' 3 ranks are forked from one process, and so are the two resumes' (issue 27: two
+    imports of torch, not three): slow_parts' sitecustomize runs once, in the process they are forked from, with
+    the "one" run's environment, and each rank holds in the folder its own environment names
+    (``CK_SLOW_PARTS_HOLD_DIR``; both hold after step 12, docs/TESTING.md item 29). Each run has its own spec,
+    run directory, hold directory and rendezvous, and only its own ranks are signalled, so neither sees the
+    other."""
     base = tmp_path_factory.mktemp("signalled")
     one, fsdp = base / "resumed", base / "fsdp"
     write_spec(one, checkpoint=NO_WATCHDOG, batch_size=64, log_every=1, synthetic_samples=640, steps=SIGNALLED_STEPS)
@@ -225,8 +228,10 @@ def signalled_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Signal
                synthetic_samples=640, steps=SIGNALLED_STEPS)
     # Signal in the second epoch (held after step 12), so the resume starts mid-epoch after an epoch boundary.
     holds_one, holds_fsdp = hold_files(base / "hold-one"), hold_files(base / "hold-fsdp")
-    (proc,) = start_ranks(one, 1, env=slow_parts_env(base / "hold-one", hold_step=12))
-    procs = start_ranks(fsdp, 2, env=slow_parts_env(base / "hold-fsdp", hold_step=12))
+    target = lambda run: ["-m", "cyclone_kit.runtime", "--run-dir", str(run)]  # noqa: E731
+    proc, *procs = popen_group(
+        [(target(one), env) for env in rank_envs(1, slow_parts_env(base / "hold-one", hold_step=12))]
+        + [(target(fsdp), env) for env in rank_envs(2, slow_parts_env(base / "hold-fsdp", hold_step=12))])
     running = lambda: all(p.poll() is None for p in procs)  # noqa: E731
     try:
         wait_for(lambda: holds_one.at(12, [0]) or proc.poll() is not None, TIMEOUT_S, "the rank held after step 12")

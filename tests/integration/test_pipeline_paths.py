@@ -100,20 +100,41 @@ def test_validation_forwards_are_not_counted_as_stage_compute(
         assert windows[1:] == [{"computations": 2 * MICROBATCHES, "steps": 1}] * 9, f"rank {rank}: {windows}"
 
 
+#: The spec of the blow-up run (:func:`test_pipeline_weights_that_stopped_being_finite_stop_the_run`).
+BLOW_UP = dict(steps=8, val_samples=0, checkpoint={"every_steps": 4, "resume": False},
+               **{**PIPE, "lr": 1e30, "lr_scaling": "none", "log_every": 2})
+
+
 @pytest.fixture(scope="module")
-def slow_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
-    """Bug 5's two runs (``checkpoint.async_write`` true and false), their 4 ranks forked from one process
-    (issue 27: one import of torch, not two; :func:`tests.helpers.ranks.popen_group`). They may share it: the
-    same patch and environment, and each rank patches itself after the fork and sleeps on its own watchdog's
-    bound, so the other run's ranks only make its steps slower, not its verdict. The run directory of each."""
-    base = tmp_path_factory.mktemp("slow-save")
-    runs = {async_write: base / ("background" if async_write else "blocking") for async_write in (True, False)}
-    for async_write, run in runs.items():
-        write_spec(run, steps=6, checkpoint={"every_steps": 5, "stall_floor_s": 3.0, "async_write": async_write},
-                   **PIPE)
+def unpatched_group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[tuple[int, str, str]]]]:
+    """Bug 5's two runs (``checkpoint.async_write`` true and false) and the blow-up run, their 6 ranks forked from
+    one process (issue 27: one import of torch, not three; :func:`tests.helpers.ranks.popen_group`). They may
+    share it: the same environment at import (no ``TORCH_DISTRIBUTED_DEBUG``), each rank applies its own patches
+    after the fork (``slow_save``, or none for the blow-up run), and each run has its own run directory and
+    rendezvous; the other runs' ranks only make a run's steps slower, not its verdict (bug 5's ranks sleep on
+    their own watchdog's bound; the blow-up run's weights blow up at the same step at any speed). The run
+    directory and every rank's result, by run name ("background", "blocking", "blow-up")."""
+    base = tmp_path_factory.mktemp("pipeline-group")
+    runs = {"background": base / "background", "blocking": base / "blocking", "blow-up": base / "blow-up"}
+    for name in ("background", "blocking"):
+        write_spec(runs[name], steps=6, checkpoint={"every_steps": 5, "stall_floor_s": 3.0,
+                                                    "async_write": name == "background"}, **PIPE)
+    write_spec(runs["blow-up"], **BLOW_UP)
+    patches = {"background": "slow_save", "blocking": "slow_save", "blow-up": ""}
     starts = [([str(DRIVER), "--run-dir", str(run)], env)
-              for run in runs.values() for env in rank_envs(2, {PATCHES_VAR: "slow_save"})]
-    all_ok(finish(popen_group(starts), timeout=HANG_S))
+              for name, run in runs.items() for env in rank_envs(2, {PATCHES_VAR: patches[name]})]
+    results = finish(popen_group(starts), timeout=HANG_S)
+    return {name: (run, results[2 * i:2 * i + 2]) for i, (name, run) in enumerate(runs.items())}
+
+
+@pytest.fixture(scope="module")
+def slow_saves(unpatched_group: dict[str, tuple[Path, list[tuple[int, str, str]]]]) -> dict[bool, Path]:
+    """Bug 5's two runs (:func:`unpatched_group`), each rank exited 0. The run directory of each."""
+    runs = {}
+    for async_write, name in ((True, "background"), (False, "blocking")):
+        run, results = unpatched_group[name]
+        all_ok(results)
+        runs[async_write] = run
     return runs
 
 
@@ -135,15 +156,12 @@ def test_a_shard_write_slower_than_the_stall_bound_is_no_stall(slow_saves: dict[
     assert {"ckpt-000000005.pt", "ckpt-000000006.pt", "ckpt-000000005.dcp", "ckpt-000000006.dcp"} <= set(names)
 
 
-def test_pipeline_weights_that_stopped_being_finite_stop_the_run(tmp_path: Path) -> None:
+def test_pipeline_weights_that_stopped_being_finite_stop_the_run(
+        unpatched_group: dict[str, tuple[Path, list[tuple[int, str, str]]]]) -> None:
     """Issue 28, bug 1's guard in the pipeline too: an LR of 1e30 blows the stages' weights up within a
     few steps; every rank stops at the same log step with the engine's one-line error (exit 1), and no
-    checkpoint of the NaN weights is written."""
-    run = tmp_path / "blow-up"
-    write_spec(run, steps=8, val_samples=0, checkpoint={"every_steps": 4, "resume": False},
-               **{**PIPE, "lr": 1e30, "lr_scaling": "none", "log_every": 2})
-    procs = _start(run, 2, "")
-    results = finish(procs, timeout=HANG_S)
+    checkpoint of the NaN weights is written (the run: :func:`unpatched_group`, :data:`BLOW_UP`)."""
+    run, results = unpatched_group["blow-up"]
     assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for _, _, err in results]
     for _, _, err in results:
         [line] = [x for x in err.splitlines() if x.startswith("error:")]

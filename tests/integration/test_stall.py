@@ -166,7 +166,11 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path, floor
 # --------------------------------------------------------------------------- scripts without the API
 #: A plain DDP script (no cyclone_kit): rank 1 sleeps forever before step 15; or, with ``busy S LATE``, both
 #: ranks compute between steps 5 and 6 (a validation pass, no optimizer step), rank 0 for S seconds and
-#: rank 1 for LATE seconds more (rank 0 then waits for it in step 6's gradient all-reduce); or, with
+#: rank 1 for LATE seconds more (rank 0 then waits for it in step 6's gradient all-reduce), each on half a core
+#: (5 ms of CPU time, then 5 ms asleep: issue 27, ~6.5 CPU-s less than two full cores for 6 and 7 s); the
+#: watchdog calls a rank busy from 0.1 of a core (scriptsteps.BUSY_SHARE), and a rank that gets only a share f of
+#: a core when it runs is at f / (1 + f) (its bursts stretch, its sleeps do not), against f for a full loop:
+#: busy down to f = 0.11 instead of 0.1, the same margin on a loaded machine; or, with
 #: ``spin``, rank 0 enters one C call that spins a core for an hour before step 15 (2^31 HMAC rounds,
 #: the GIL released): the shape of a GPU rank hung at its host sync, ``loss.item()`` spinning under
 #: CUDA's default scheduling behind a collective that never ends.
@@ -193,7 +197,10 @@ for step in range(1, steps + 1):
     if mode == "busy" and step == 6:
         end, acc = time.monotonic() + busy_s, 0
         while time.monotonic() < end:   # a validation pass: computing, no optimizer step
-            acc += sum(i * i for i in range(1000))
+            burst = time.process_time() + 0.005
+            while time.process_time() < burst:   # 5 ms of CPU, then 5 ms asleep: half a core
+                acc += sum(i * i for i in range(1000))
+            time.sleep(0.005)
     F.mse_loss(model(torch.randn(16, 32)), torch.zeros(16, 4)).backward()
     opt.step()
     opt.zero_grad()
