@@ -28,7 +28,6 @@ from typing import Any
 import pytest
 import torch
 
-from cyclone_kit.core import prefork
 from tests.helpers.gpu_choices_rank import CHOICES_VAR, GATE_VAR, OVERFLOW_VAR
 from tests.helpers.ranks import (
     REPO,
@@ -50,11 +49,6 @@ HANG_S = 400
 #: 27, issue 27); the cases are independent, so only the wall time depends on it.
 RANKS_AT_ONCE = 4
 DRIVER = REPO / "tests" / "helpers" / "gpu_choices_rank.py"
-#: What the forking process imports: the launcher's list, whose ``cyclone_kit.runtime.engine`` is the package
-#: alone (its engines are imported lazily), and the trainer itself, which each rank imported anew (0.17 CPU-s
-#: a rank, 29 ranks: issue 27).
-PRELOAD = (*prefork.PRELOAD, "cyclone_kit.runtime.__main__", "cyclone_kit.runtime.engine.dataparallel",
-           "cyclone_kit.runtime.engine.pipeline")
 #: torch 2.14's DistributedDataParallel segfaults in its constructor (``Logger.set_construction_data_and_log``)
 #: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on gloo with resnet18 (stock DDP, outside cyclone_kit: most
 #: starts, not all); the engine refuses it (the ``-refused`` case), the 2-rank DDP case that trains runs
@@ -175,7 +169,7 @@ def _run_segments(runs: dict[str, Path], segments: list[tuple[dict[str, Case], i
                 starts += [([str(DRIVER), "--run-dir", str(runs[name])], env) for env in envs]
                 pipes += [os.pipe() for _ in envs]
             try:
-                procs = popen_group(starts, stdin=[read for read, _ in pipes], preload=PRELOAD)
+                procs = popen_group(starts, stdin=[read for read, _ in pipes])
             except BaseException:
                 for fd in (fd for pipe in pipes for fd in pipe):
                     os.close(fd)
