@@ -46,11 +46,13 @@ __all__ = ["ENV_VAR", "PRELOAD", "Forked", "RankStart", "enabled", "sees_no_gpu"
 ENV_VAR = "CYCLONE_PREFORK"
 #: What the zygote imports before it forks: torch, what the first optimizer step imports, the models, the trainer
 #: (one that cannot be imported is left to the rank, which then fails on it as a fresh process would). The trainer is
-#: its entry point and both engines with what they import (checkpoints, phases), not the ``engine`` package alone,
+#: what its entry point imports and both engines with theirs (checkpoints, phases), not the ``engine`` package alone,
 #: whose engines load lazily: each forked rank imported them anew, ~0.2 s of one core (issue 27). None of them reads
-#: the environment or starts a thread when imported.
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torchvision", "cyclone_kit.runtime.__main__",
-           "cyclone_kit.runtime.engine.dataparallel", "cyclone_kit.runtime.engine.pipeline")
+#: the environment or starts a thread when imported. Never ``cyclone_kit.runtime.__main__`` itself: the rank runs it
+#: with ``-m``, and runpy warns on stderr when a ``__main__`` it is about to run is already imported.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torchvision", "cyclone_kit.config.job",
+           "cyclone_kit.runtime.watchers.rankexit", "cyclone_kit.runtime.engine.dataparallel",
+           "cyclone_kit.runtime.engine.pipeline")
 #: Hang guard of the zygote's answer (not a performance bound): its imports take ~5 s on a busy 2-core node.
 ANSWER_HANG_S = 600.0
 _PR_SET_CHILD_SUBREAPER = 36
