@@ -538,20 +538,41 @@ conf_root() {
   sed -n 's|^StateSaveLocation=\(.*\)/state$|\1|p' "$CONF" | head -n1
 }
 
-# stop_other_root: a cluster started with another CK_SLURM_ROOT holds the ports; stop it first.
+# stop_other_root: a cluster started with another CK_SLURM_ROOT holds the ports; stop it first (also when that
+# root was deleted while its daemons ran: stray_pids finds them by their command lines).
 stop_other_root() {
   local other
   other=$(conf_root)
-  if [[ -n $other && $other != "$ROOT" && -d $other/run ]]; then
+  if [[ -n $other && $other != "$ROOT" ]] && { [[ -d $other/run ]] || [[ -n $(ROOT=$other && stray_pids) ]]; }; then
     log "stopping the cluster running from $other"
     local ROOT=$other # bash scoping is dynamic: stop_all and what it calls see this ROOT
     stop_all
   fi
 }
 
+# stray_pids: this cluster's daemons that no pid file names any more (the pid files were deleted or the
+# state root moved while they ran; start would then fail on their ports): slurmctld, slurmd, tini, munged whose
+# command line names this cluster's slurm.conf or state root, with everything below them.
+stray_pids() {
+  local f pid comm args
+  for f in /proc/[0-9]*/cmdline; do
+    pid=${f#/proc/} && pid=${pid%/cmdline}
+    # A process may end between the glob and these reads: each read fails quietly (in a `||` list, so the
+    # ERR trap, inherited by command substitutions under set -E, does not fire).
+    read -r comm 2>/dev/null <"/proc/$pid/comm" || continue
+    case $comm in slurmctld | slurmd | tini | munged) ;; *) continue ;; esac
+    args=$(tr '\0' ' ' 2>/dev/null <"$f" || true)
+    if [[ $args == *" $CONF "* || $args == *"=$ROOT/"* ]]; then
+      echo "$pid"
+      descendants "$pid"
+    fi
+  done
+  return 0
+}
+
 stop_all() {
   local pids
-  pids=$(slurm_pids)
+  pids="$(slurm_pids) $(stray_pids)"
   if pid_alive "$ROOT/run/slurmdbd.pid" slurmdbd; then pids+=" $(pid_of "$ROOT/run/slurmdbd.pid")"; fi
   if pid_alive "$ROOT/run/munged.pid" munged; then pids+=" $(pid_of "$ROOT/run/munged.pid")"; fi
   # shellcheck disable=SC2046,SC2086 # word splitting of the pid list is intended

@@ -208,25 +208,26 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KilledRun
     seen: dict[str, dict[str, object]] = {strategy: {} for strategy in runs}
 
     def act() -> bool:
-        """Take each run one moment further (held: note what is on disk; past step 4: note, kill rank 1)."""
+        """Take each run one moment further (held: note what is on disk; past step 4: note, kill rank 1). What is
+        noted is named as :class:`KilledRun`'s fields; ``done``: nothing more to wait for in that run."""
         for strategy, run in runs.items():
             ranks, now, ckpts = procs[strategy], seen[strategy], run / "checkpoints"
-            if "killed" in now:
+            if "done" in now:
                 continue
-            if "alive" not in now:
+            if "alive_when_held" not in now:
                 if holds[strategy].writing_shard(1) or any(p.poll() is not None for p in ranks):
-                    now.update(alive=all(p.poll() is None for p in ranks),
-                               complete=[s for s, _ in ckpt.list_checkpoints(ckpts)],
-                               dcp=(ckpts / "ckpt-000000004.dcp").is_dir())
-                    if not now["alive"]:
-                        now["killed"] = False  # nothing to wait for: the test says what happened
+                    now.update(alive_when_held=all(p.poll() is None for p in ranks),
+                               complete_when_held=[s for s, _ in ckpt.list_checkpoints(ckpts)],
+                               dcp_when_held=(ckpts / "ckpt-000000004.dcp").is_dir())
+                    if not now["alive_when_held"]:
+                        now["done"] = True  # nothing to wait for: the test says what happened
                 continue
             # Asynchronous: both ranks train on while rank 1's write of step 4 is held (step 6's checkpoint waits).
             if max(_segments(run)[0], default=0) >= 2 * EVERY + 1:
-                now["pt"] = ckpt.checkpoint_path(ckpts, 2 * EVERY).exists()
+                now["pt_in_flight"] = ckpt.checkpoint_path(ckpts, 2 * EVERY).exists()
                 ranks[1].kill()  # SIGKILL
-                now["killed"] = True
-        return all("killed" in now for now in seen.values())
+                now["done"] = True
+        return all("done" in now for now in seen.values())
 
     try:
         wait_for(act, TIMEOUT_S, "rank 1's shard write of step 4 held in every run, training past it, the kill")
@@ -238,17 +239,18 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KilledRun
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    after = {}
+    after: dict[str, dict[str, Any]] = {}
     for strategy, run in runs.items():
         state, path = ckpt.load_latest(run / "checkpoints")
-        after[strategy] = (sorted(p.name for p in (run / "checkpoints").iterdir()),
-                           [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")],
-                           (state["step"], state["model"], path))
+        after[strategy] = {"left": sorted(p.name for p in (run / "checkpoints").iterdir()),
+                           "complete_left": [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")],
+                           "latest": (state["step"], state["model"], path)}
     resumed = per_run(finish(start_runs([(run, 2) for run in runs.values()])), [2] * len(runs))  # no hold
-    return {strategy: KilledRun(run, bool(seen[strategy]["alive"]), list(seen[strategy]["complete"]),
-                                bool(seen[strategy]["dcp"]), bool(seen[strategy].get("pt")), killed[strategy],
-                                *after[strategy], result)
-            for (strategy, run), result in zip(runs.items(), resumed, strict=True)}
+    done = {}
+    for (strategy, run), result in zip(runs.items(), resumed, strict=True):
+        moments = {"pt_in_flight": False, **{k: v for k, v in seen[strategy].items() if k != "done"}}
+        done[strategy] = KilledRun(run=run, **moments, killed=killed[strategy], **after[strategy], resumed=result)
+    return done
 
 
 @pytest.mark.parametrize("strategy", SHARDED)
