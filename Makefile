@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup data slurm-up slurm-down horovod container-image demo test fresh-test timing-under-load unit lint bench golden wheelhouse clean
+.PHONY: setup bytecode data slurm-up slurm-down horovod container-image demo test fresh-test timing-under-load unit lint bench golden wheelhouse clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,12 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The project's own modules compiled once (their __pycache__, git-ignored): with PYTHONDONTWRITEBYTECODE set, as on
+# this machine kind, every process that imports cyclone_kit compiled its modules from source again (a rank of the
+# trainer ~0.16 CPU-s, hundreds of processes in the suite; issue 27). A stale file is recompiled in memory by Python.
+bytecode: setup
+	@$(PY) -m compileall -q -j 0 cyclone_kit bench tests/helpers >/dev/null
 
 # Real data for the tests and the demo: Debian's Fashion-MNIST (skipped where apt is not usable).
 data:
@@ -44,7 +50,7 @@ horovod: setup
 container-image: setup
 	@VENV=$(VENV) bash scripts/build-container-image.sh >/dev/null || echo "note: container image not built; container tests will be skipped"
 
-demo: setup data
+demo: setup data bytecode
 	bash scripts/demo.sh
 
 lint: setup
@@ -58,7 +64,7 @@ unit: setup
 # the unit tier side by side; whichever stream is free first takes the notebook's test, the other Slurm files (after
 # the first ones) and the integration files that ask little CPU; it prints each tier's log whole, with what was
 # skipped.
-test: setup data slurm-up horovod container-image
+test: setup data slurm-up horovod container-image bytecode
 	$(PY) -m ruff check .
 	REQ=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0); \
 	CK_REQUIRE_SLURM=$$REQ CK_REQUIRE_ACCOUNTING=$$REQ CK_REQUIRE_HOROVOD=$$REQ CK_REQUIRE_EXTRAS=$$REQ CK_REQUIRE_DATA=$$REQ CK_REQUIRE_CONTAINER=$$REQ bash scripts/run-tests.sh $(PY)
@@ -69,10 +75,10 @@ fresh-test:
 	bash scripts/fresh-test.sh $(or $(RUNS),1)
 
 # The timing-sensitive test files, RUNS times (default 3) in a row with a CPU burner on one core (issue 27).
-timing-under-load: setup data slurm-up horovod container-image
+timing-under-load: setup data slurm-up horovod container-image bytecode
 	CK_REQUIRE_HOROVOD=1 bash scripts/timing-under-load.sh $(PY) $(or $(RUNS),3)
 
-bench: setup
+bench: setup bytecode
 	$(PY) bench/run_all.py
 
 # .whl/: the project's pure-Python dependencies as wheels, for a GPU machine that has torch and nothing

@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     """Interleaved timed/untimed pairs; print both throughputs, the ratio, the phases and the verdict."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=1 if quick() else 8)
+    p.add_argument("--nproc", type=int, default=1 if quick() else 2,
+                   help="ranks per side (quick mode: 1, a smoke run; the 2-rank path runs in scaling_cpu's)")
     p.add_argument("--model", default="tiny_cnn")
     p.add_argument("--batch", type=int, default=32 if quick() else 256)
     p.add_argument("--steps", type=int, default=4 if quick() else 40)
@@ -99,13 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = Workload(model=args.model, batch=args.batch, steps=args.steps, log_every=args.log_every)
 
-    print(f"phases_overhead: {work.model}, batch {work.batch}/rank, {work.steps} steps, 2 ranks x 1 thread, gloo, "
+    print(f"phases_overhead: {work.model}, batch {work.batch}/rank, {work.steps} steps, {args.nproc} rank(s) x 1 thread, gloo, "
           f"CPU; {args.pairs} interleaved pair(s) timed vs CYCLONE_PHASES=0, {args.slice} s slices")
     print(f"machine: {machine_line()}")
     ratios, timed, untimed, breakdowns = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="ck-bench-phases-") as tmp:
         for i in range(args.pairs):
-            r = run_interleaved(work, Path(tmp), f"ph{i}", slice_s=args.slice, other="untimed")
+            r = run_interleaved(work, Path(tmp), f"ph{i}", nproc=args.nproc, slice_s=args.slice,
+                                other="untimed")
             timed.append(r.ours)
             untimed.append(r.other)
             ratios.append(r.ours / r.other)
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                "ci95": [mean - half, mean + half], "target": TARGET, "met": met, "load": load(),
                "phases_ms": {k: median([b[k] for b in breakdowns]) for k in breakdowns[0]},
                "host_cost_us": cost, "host_cost_share": cost / (1000 * step_ms),
-               "workload": f"{work.model} b{work.batch}/rank {work.steps} steps, 2x1 thread, interleaved"})
+               "nproc": args.nproc,
+               "workload": f"{work.model} b{work.batch}/rank {work.steps} steps, {args.nproc}x1 thread, interleaved"})
     return 0 if met else 1
 
 

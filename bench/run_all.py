@@ -128,7 +128,7 @@ def parse(name: str, output: str) -> list[Figure]:
     elif name == "overhead":
         j = _json(output)
         if j:
-            figs.append(Figure(name, "runtime throughput (2 ranks x 1 thread, gloo)",
+            figs.append(Figure(name, f"runtime throughput ({j.get('nproc', 2)} rank(s) x 1 thread, gloo)",
                                f"{j['ours_samples_per_s']:.1f} samples/s", "", "INFO"))
             figs.append(Figure(name, "plain DDP loop throughput (same workload)",
                                f"{j['plain_samples_per_s']:.1f} samples/s", "", "INFO"))
@@ -180,7 +180,8 @@ def parse(name: str, output: str) -> list[Figure]:
     elif name == "script_shim":
         j = _json(output)
         if j:
-            figs.append(Figure(name, f"examples/plain_ddp.py throughput, cyclone-kit run / torchrun, 2 ranks ({j['workload']}; "
+            figs.append(Figure(name, f"examples/plain_ddp.py throughput, cyclone-kit run / torchrun, {j.get('nproc', 2)} rank(s) "
+                               f"({j['workload']}; "
                                f"per pair: {', '.join(f'{r:.3f}' for r in j['ratios'])})",
                                f"{j['ratio']:.3f}", ">= 0.99", _v(j["ratio_met"])))
             figs.append(Figure(name, "examples/plain_ddp.py process start to first step, cyclone-kit run",
@@ -191,7 +192,8 @@ def parse(name: str, output: str) -> list[Figure]:
         j = _json(output)
         if j:
             r0 = j["rank0"]
-            figs.append(Figure(name, f"public API per-step cost in examples/ddp_ck.py (2 ranks; rank 0: median "
+            figs.append(Figure(name, f"public API per-step cost in examples/ddp_ck.py ({j.get('nproc', 2)} rank(s); "
+                               f"rank 0: median "
                                f"{r0['api_us_median']:.0f} us, mean {r0['api_us_mean']:.0f} us of a "
                                f"{r0['step_ms_median']:.1f} ms step)", f"{100 * j['ratio']:.3f} %",
                                f"<= {100 * j['target']:.0f} % of the step", _v(j["met"])))
@@ -214,7 +216,7 @@ def parse(name: str, output: str) -> list[Figure]:
     elif name == "rank_start":
         j = _json(output)
         if j:
-            figs.append(Figure(name, f"local launcher, {j['nproc']} ranks and one step: CPU seconds, ranks forked from one "
+            figs.append(Figure(name, f"local launcher, {j['nproc']} rank(s) and one step: CPU seconds, ranks forked from one "
                                f"process that imported torch / fresh processes (CYCLONE_PREFORK=0; medians of {j['pairs']} "
                                f"pairs: {j['cpu_forked_s']:.2f} / {j['cpu_fresh_s']:.2f} CPU-s; wall {j['wall_forked_s']:.2f}"
                                f" / {j['wall_fresh_s']:.2f} s)", f"{j['ratio']:.3f}", f"<= {j['target']}", _v(j["met"])))
