@@ -15,6 +15,7 @@ the target is missed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -54,9 +55,13 @@ def launch(nproc: int, forked: bool, runs: Path) -> tuple[float, float]:
     return cpu, wall
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Measure both sides alternately, print the figures and the verdict."""
-    pairs, nproc = (1, 1) if quick() else (5, 2)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=int, default=1 if quick() else 5)
+    p.add_argument("--nproc", type=int, default=1 if quick() else 2, help="ranks of each launch")
+    args = p.parse_args(argv)
+    pairs, nproc = args.pairs, args.nproc
     fresh: list[tuple[float, float]] = []
     forked: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="ck-rank-start-") as tmp:

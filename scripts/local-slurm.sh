@@ -430,28 +430,32 @@ wait_idle() {
   done
 }
 
-# descendants PID: every process below PID (slurmd, its slurmstepd, their tasks), by pid.
-# slurmstepd calls setsid(), so sessions do not track jobs; the tini subreaper's tree does.
-# Reads /proc directly (procps may be missing on a minimal host); "pid (comm) state ppid ...".
+# descendants PID...: every process below the PIDs (slurmd, its slurmstepd, their tasks), by pid, from one
+# read of /proc for all of them. slurmstepd calls setsid(), so sessions do not track jobs; the tini subreaper's
+# tree does. Reads /proc directly (procps may be missing on a minimal host); "pid (comm) state ppid ...".
 descendants() {
-  { cat /proc/[0-9]*/stat 2>/dev/null || true; } | awk -v root="$1" '
+  (($#)) || return 0
+  { cat /proc/[0-9]*/stat 2>/dev/null || true; } | awk -v roots="$*" '
     { rest = $0; sub(/^.*\) /, "", rest); split(rest, f, " "); kids[f[2]] = kids[f[2]] " " $1 }
-    END { n = split(kids[root], q, " "); for (i = 1; i <= n; i++) { print q[i]; m = split(kids[q[i]], more, " "); for (j = 1; j <= m; j++) q[++n] = more[j] } }'
+    END { n = split(roots, q, " "); r = n
+          for (i = 1; i <= n; i++) { m = split(kids[q[i]], more, " "); for (j = 1; j <= m; j++) q[++n] = more[j] }
+          for (i = r + 1; i <= n; i++) print q[i] }'
 }
 
 # slurm_pids: slurmctld and, per node, the tini pid with everything below it (slurmd, slurmstepd,
 # job tasks) -- only processes this script started.
 slurm_pids() {
-  local n tini
+  local n tini tinis=()
   pid_alive "$ROOT/run/slurmctld.pid" slurmctld && pid_of "$ROOT/run/slurmctld.pid"
   for n in "${NODES[@]}"; do
     tini=$(pid_of "$ROOT/run/tini-$n.pid")
     if [[ $tini =~ ^[0-9]+$ && $(cat "/proc/$tini/comm" 2>/dev/null) == tini ]]; then
       echo "$tini"
-      descendants "$tini"
+      tinis+=("$tini")
     fi
     pid_alive "$ROOT/run/slurmd-$n.pid" slurmd && pid_of "$ROOT/run/slurmd-$n.pid"
   done
+  descendants "${tinis[@]}"
   return 0
 }
 
@@ -554,7 +558,7 @@ stop_other_root() {
 # state root moved while they ran; start would then fail on their ports): slurmctld, slurmd, tini, munged whose
 # command line names this cluster's slurm.conf or state root, with everything below them.
 stray_pids() {
-  local f pid comm args
+  local f pid comm args found=()
   for f in /proc/[0-9]*/cmdline; do
     pid=${f#/proc/} && pid=${pid%/cmdline}
     # A process may end between the glob and these reads: each read fails quietly (in a `||` list, so the
@@ -564,9 +568,10 @@ stray_pids() {
     args=$(tr '\0' ' ' 2>/dev/null <"$f" || true)
     if [[ $args == *" $CONF "* || $args == *"=$ROOT/"* ]]; then
       echo "$pid"
-      descendants "$pid"
+      found+=("$pid")
     fi
   done
+  descendants "${found[@]}"
   return 0
 }
 

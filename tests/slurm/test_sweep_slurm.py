@@ -8,6 +8,11 @@ module-scoped fixture, each ``sweep --wait`` a CLI process of its own: each stud
 one point after the other, and its wall time mostly its jobs' starts and ends, which the two chains now
 spend side by side (the cpu partition holds a point of each at once: at most 2 + 2 of each node's 4 CPUs;
 issue 27: 60-89 s for the file, one study after the other).
+
+The strong study also answers issue 17's `status` and `logs` on a study: the study directory shows every
+point and the report job, and the report job's id finds its study (until issue 27 test_status_logs ran a
+2-point study of its own for that: 3 Slurm jobs, ~30 CPU-s). One `status STUDY` is taken as soon as
+submitted.json exists, while the jobs wait or run; the rest once both ``sweep --wait`` ended.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,12 +30,19 @@ from typing import Any
 import pytest
 
 from cyclone_kit.backends.slurm import SlurmBackend
-from tests.helpers.cli import REPO
+from tests.helpers.cli import REPO, run_cli
+from tests.helpers.slurm_jobs import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 #: Hang guard (not a performance bound): a sweep of 3 serial jobs and the report job takes ~1 min
 #: here; >= 5x for a slower machine. pytest's limit is set above it so the guard reports first.
 HANG_S = 600
+#: hang guard of one `status`/`logs` call
+CLI_S = 60
+#: the fixture's guards together (the sweeps, the early `status`, 4 CLI calls after them), and a margin
+LIMIT_S = HANG_S + 5 * CLI_S + 60
+#: jobs/strong_scaling.toml's study name: its points' jobs are STRONG-ws<N>, its report job STRONG-report
+STRONG = "strong-tiny"
 
 
 def _weak_sweep(folder: Path) -> Path:
@@ -45,7 +58,12 @@ def _weak_sweep(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def studies(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Run both ``sweep --wait`` at once; name -> (exit code, its output, its study directory)."""
+    """Run both ``sweep --wait`` at once; name -> (exit code, its output, its study directory).
+
+    "strong-cli": what `status` and `logs` said of the strong study (CompletedProcesses): "early", its
+    `status STUDY` once submitted.json existed (the jobs may have ended by then, or not); after both sweeps ended
+    "status" (`status STUDY`), "by_id" (`status REPORT_ID`), "report_logs" and "study_logs".
+    """
     tmp = tmp_path_factory.mktemp("sweeps")
     argv = {"strong": (str(REPO / "jobs" / "strong_scaling.toml"), "--backend", "slurm", "--set", "train.steps=12",
                        "--set", "train.log_every=4"),
@@ -59,7 +77,14 @@ def studies(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFact
                                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env[name]}, text=True)
     deadline = time.monotonic() + HANG_S
     out: dict[str, Any] = {}
+    cli: dict[str, Any] = {}
+    out["strong-cli"] = cli
     try:
+        # the strong study's jobs are all submitted once its submitted.json exists (written whole, at once)
+        submitted = wait_for(lambda: next((tmp / "strong").glob("*/submitted.json"), None)
+                             or procs["strong"].poll() is not None, HANG_S, "the strong study's submitted.json")
+        if isinstance(submitted, Path):
+            cli["early"] = run_cli("status", str(submitted.parent), timeout=CLI_S)  # while the jobs wait or run
         for name, proc in procs.items():
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -70,6 +95,13 @@ def studies(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFact
             found = list((tmp / name).iterdir()) if (tmp / name).exists() else []
             assert len(found) == 1, output
             out[name] = (code, output, found[0])
+        study = out["strong"][2]
+        report = (json.loads((study / "submitted.json").read_text()).get("report") if "early" in cli else None) or {}
+        if report.get("job_id"):  # else test_study_directory_and_report_job_id fails on the sweep's output
+            cli["status"] = run_cli("status", str(study), timeout=CLI_S)
+            cli["by_id"] = run_cli("status", report["job_id"], "--runs-dir", str(tmp / "strong"), timeout=CLI_S)
+            cli["report_logs"] = run_cli("logs", report["job_id"], "--runs-dir", str(tmp / "strong"), timeout=CLI_S)
+            cli["study_logs"] = run_cli("logs", str(study), timeout=CLI_S)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -83,7 +115,7 @@ def studies(slurm_cluster: dict[str, str], tmp_path_factory: pytest.TempPathFact
     return out
 
 
-@pytest.mark.timeout(HANG_S + 60)
+@pytest.mark.timeout(LIMIT_S)
 def test_strong_scaling_study_on_slurm(studies: dict[str, Any]) -> None:
     code, output, study = studies["strong"]
     assert code == 0, output
@@ -108,7 +140,37 @@ def test_strong_scaling_study_on_slurm(studies: dict[str, Any]) -> None:
     assert list((study / "logs").glob("report-*.out"))
 
 
-@pytest.mark.timeout(HANG_S + 60)
+@pytest.mark.timeout(LIMIT_S)
+def test_study_directory_and_report_job_id(studies: dict[str, Any]) -> None:
+    """`status` and `logs` of the strong study: by its directory, and by its report job's id."""
+    code, output, study = studies["strong"]
+    cli = studies["strong-cli"]
+    assert code == 0 and "study_logs" in cli, output
+    submitted = json.loads((study / "submitted.json").read_text())
+    points = [(r["name"], r["job_id"]) for r in submitted["runs"]]
+    report_id = submitted["report"]["job_id"]
+    early, status, by_id = cli["early"], cli["status"], cli["by_id"]
+    report_logs, study_logs = cli["report_logs"], cli["study_logs"]
+    print(early.stdout, status.stdout, by_id.stdout, report_logs.stdout[-800:], sep="\n")
+    assert early.returncode == 0, early.stdout + early.stderr
+    assert re.search(rf"^{report_id}\s+{STRONG}-report\s", early.stdout, re.M), early.stdout
+    if re.search(rf"^{report_id}\s+{STRONG}-report\s+PENDING\s", early.stdout, re.M):
+        assert f"job {report_id} is PENDING (Dependency): waits until the jobs it depends on" in early.stdout
+    assert status.returncode == 0 and status.stdout.startswith(f"study {study}"), status.stdout + status.stderr
+    for name, job_id in points:
+        assert re.search(rf"^{job_id}\s+{STRONG}-ws\d\s+COMPLETED\s", status.stdout, re.M), (name, status.stdout)
+    assert re.search(rf"^{report_id}\s+{STRONG}-report\s+COMPLETED\s", status.stdout, re.M), status.stdout
+    assert by_id.returncode == 0 and f"report job of study {study}" in by_id.stdout, by_id.stdout + by_id.stderr
+    assert re.search(rf"^{report_id}\s+{STRONG}-report\s+COMPLETED\s", by_id.stdout, re.M), by_id.stdout
+    assert report_logs.returncode == 0, report_logs.stderr
+    assert re.search(r"^==> logs/report-\S+\.out <==$", report_logs.stdout, re.M), report_logs.stdout
+    assert study_logs.returncode == 0, study_logs.stderr
+    for name, _ in points:
+        assert f"==> {name}/logs/" in study_logs.stdout, (name, study_logs.stdout[:2000])
+    assert "==> logs/report-" in study_logs.stdout
+
+
+@pytest.mark.timeout(LIMIT_S)
 def test_weak_scaling_study_through_submitit(studies: dict[str, Any]) -> None:
     code, output, study = studies["weak"]
     assert code == 0, output
