@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=64 if quick() else 1024, help="hidden units of ddp_ck.py's model")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--nproc", type=int, default=1 if quick() else 2,
-                   help="ranks (quick mode: 1, a smoke run; the 2-rank path runs in scaling_cpu's)")
+                   help="ranks (quick mode: 1, a smoke run of this benchmark's code)")
     args, rest = p.parse_known_args(argv)
     if args.rank_out is not None:
         return rank_main(args.rank_out, [a for a in rest if a != "--"])

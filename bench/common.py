@@ -25,9 +25,9 @@ Both sides of every comparison are started as fresh processes and measured the s
   the runtime.
 
 ``CK_BENCH_QUICK=1`` shrinks every benchmark to a smoke run (1 pair, few steps) for the tests: one rank a side
-where the figure allows it (overhead, phases_overhead, script_shim, rank_start); scaling_cpu keeps its 1- and 2-rank
-runs, so the 2-rank path of both launchers still runs (issue 27: each rank imports torch, ~6 CPU-s on a slow 2-core
-host).
+where the figure allows it (overhead, phases_overhead, script_shim, rank_start, api_cost; ``--nproc 2`` restores
+it); scaling_cpu keeps its 1- and 2-rank runs, so the benchmarks' 2-rank path of both launchers still runs (issue 27:
+each rank imports torch, ~6 CPU-s on a slow 2-core host).
 """
 
 from __future__ import annotations

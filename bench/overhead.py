@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=1 if quick() else 8)
     p.add_argument("--nproc", type=int, default=1 if quick() else 2,
-                   help="ranks per side (quick mode: 1, a smoke run; the 2-rank path runs in scaling_cpu's)")
+                   help="ranks per side (quick mode: 1, a smoke run of this benchmark's code)")
     p.add_argument("--model", default="tiny_cnn")
     p.add_argument("--batch", type=int, default=32 if quick() else 256)
     p.add_argument("--steps", type=int, default=4 if quick() else 40)
