@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, emit_json, load, machine_line, quick, verdict
+from common import REPO, add_nproc, emit_json, load, machine_line, quick, verdict
 
 TARGET = 0.01
 DDP_CK = REPO / "examples" / "ddp_ck.py"
@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30 if quick() else 120)
     p.add_argument("--width", type=int, default=64 if quick() else 1024, help="hidden units of ddp_ck.py's model")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--nproc", type=int, default=1 if quick() else 2,
-                   help="ranks (quick mode: 1, a smoke run of this benchmark's code)")
+    add_nproc(p, "ranks")
     args, rest = p.parse_known_args(argv)
     if args.rank_out is not None:
         return rank_main(args.rank_out, [a for a in rest if a != "--"])

@@ -59,6 +59,13 @@ def quick() -> bool:
     return os.environ.get("CK_BENCH_QUICK", "") not in ("", "0")
 
 
+def add_nproc(parser: Any, what: str = "ranks per side") -> None:
+    """The ``--nproc`` option of a benchmark that compares launches: 2 ranks, 1 in quick mode (a smoke run of the
+    benchmark's code; issue 27: each rank imports torch)."""
+    parser.add_argument("--nproc", type=int, default=1 if quick() else 2,
+                        help=f"{what} (quick mode: 1, a smoke run of this benchmark's code)")
+
+
 def cpu_model() -> str:
     """The CPU model from /proc/cpuinfo (else the platform's string)."""
     try:

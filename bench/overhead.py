@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Workload, emit_json, load, machine_line, median, quick, run_interleaved, verdict
+from common import Workload, add_nproc, emit_json, load, machine_line, median, quick, run_interleaved, verdict
 
 TARGET = 0.99
 #: Student's t at 97.5% for n-1 degrees of freedom (n = 2 .. 12), for the printed interval.
@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     """Interleaved A/B pairs, print both throughputs, the ratio and the verdict; exit 1 when missed."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=1 if quick() else 8)
-    p.add_argument("--nproc", type=int, default=1 if quick() else 2,
-                   help="ranks per side (quick mode: 1, a smoke run of this benchmark's code)")
+    add_nproc(p)
     p.add_argument("--model", default="tiny_cnn")
     p.add_argument("--batch", type=int, default=32 if quick() else 256)
     p.add_argument("--steps", type=int, default=4 if quick() else 40)

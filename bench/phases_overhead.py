@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Workload, emit_json, load, machine_line, median, quick, run_interleaved, verdict
+from common import Workload, add_nproc, emit_json, load, machine_line, median, quick, run_interleaved, verdict
 
 TARGET = 0.99
 _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20}
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     """Interleaved timed/untimed pairs; print both throughputs, the ratio, the phases and the verdict."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=1 if quick() else 8)
-    p.add_argument("--nproc", type=int, default=1 if quick() else 2,
-                   help="ranks per side (quick mode: 1, a smoke run of this benchmark's code)")
+    add_nproc(p)
     p.add_argument("--model", default="tiny_cnn")
     p.add_argument("--batch", type=int, default=32 if quick() else 256)
     p.add_argument("--steps", type=int, default=4 if quick() else 40)

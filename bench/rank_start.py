@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, quick
+from common import REPO, add_nproc, quick
 
 TARGET = 0.75
 HANG_S = 600
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure both sides alternately, print the figures and the verdict."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=1 if quick() else 5)
-    p.add_argument("--nproc", type=int, default=1 if quick() else 2, help="ranks of each launch")
+    add_nproc(p, "ranks of each launch")
     args = p.parse_args(argv)
     pairs, nproc = args.pairs, args.nproc
     fresh: list[tuple[float, float]] = []

@@ -34,6 +34,7 @@ from common import (
     _popen,
     _signal_all,
     _tree,
+    add_nproc,
     bench_env,
     emit_json,
     load,
@@ -116,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the pairs, print the figures and verdicts; exit 1 when a target is missed."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=1 if quick() else 6)
-    p.add_argument("--nproc", type=int, default=1 if quick() else 2,
-                   help="ranks per side (quick mode: 1, a smoke run of this benchmark's code)")
+    add_nproc(p)
     p.add_argument("--steps", type=int, default=6 if quick() else 60)
     p.add_argument("--warmup", type=int, default=2 if quick() else 10)
     p.add_argument("--batch-size", type=int, default=32 if quick() else 256)

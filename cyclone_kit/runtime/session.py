@@ -70,6 +70,10 @@ class Session:
         pg_timeout_s: the timeout of the process group's collectives (the group the session created, or the
             one the script made as torch reports it; None: a world of one, or unknown), which the progress
             watchdog's bound stays below.
+        busy_share: the progress watchdog's rule for a loop that does not say what is not a step (a script's
+            own validation pass between ``ck.log_step`` calls): past the bound, a rank computing in Python
+            outside a collective is working (:func:`~cyclone_kit.runtime.watchers.stall.idle_verdict`); None
+            (the built-in engines, which mark their pauses): no such exception.
     """
 
     env: DistEnv
@@ -85,6 +89,7 @@ class Session:
     hostnames: list[str]
     t_start: float
     pg_timeout_s: float | None = None
+    busy_share: float | None = None
     agreement: Any = None
     writer: mx.MetricsWriter | None = None
     global_rates: list[float] = field(default_factory=list)
@@ -203,11 +208,12 @@ class Session:
         if self.watch:
             self.watch.beat(step)
 
-    def not_a_step(self) -> Any:
-        """A context for work between steps that is not a step (a checkpoint, a validation pass)."""
+    def not_a_step(self, what: str = "work that is not a step") -> Any:
+        """A context for work between steps that is not a step (``what``: e.g. ``"validation"``, ``"a
+        checkpoint"``; a stall inside names it)."""
         import contextlib
 
-        return self.watch.paused() if self.watch else contextlib.nullcontext()
+        return self.watch.paused(what) if self.watch else contextlib.nullcontext()
 
     def stop_watch(self) -> None:
         """The segment ends here: the watchdog stops and marks this rank's progress record ended."""
@@ -254,7 +260,7 @@ class Session:
             blocking = not self.cc.async_write
         blocking = blocking or after_write is not None
         path = None
-        with self.not_a_step():
+        with self.not_a_step(f"the checkpoint of step {step}"):
             if self.env.is_main and state is not None:
                 before = self.ckpt_writer.step if self.ckpt_writer is not None else None
                 waited = self.finish_checkpoint()  # at most one write in flight; a failed one raises here
@@ -468,7 +474,7 @@ class Session:
             self.finish_shards(failed=True, timeout_s=FAILED_WRITE_WAIT_S)  # no .pt: its peers may be dead
             self.finish_checkpoint(raise_error=False, timeout_s=FAILED_WRITE_WAIT_S)
         else:
-            with self.not_a_step():
+            with self.not_a_step("the last checkpoint's writes"):
                 self.finish_shards()  # every rank's shards, agreed, then the .pt (a stop's checkpoint too)
                 self.finish_checkpoint()  # the last checkpoint (a stop's too) is complete before the end record
         self.ended = True
@@ -606,7 +612,8 @@ def start_watch(session: Session) -> Any:
         return False
     env = session.env
     watch = ProgressWatch(RunDirRecords(session.run_dir), env.rank, env.world_size, session.host, policy,
-                          segment_id(session.environ), lambda stuck, records, own: on_stall(session, stuck, records))
+                          segment_id(session.environ), lambda stuck, records, own: on_stall(session, stuck, records),
+                          busy_share=session.busy_share)
     return watch.start()
 
 

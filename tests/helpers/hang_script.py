@@ -4,6 +4,10 @@
 (``ctx.restart_count == 0`` and no in-job restart yet, ``CYCLONE_INJOB_RESTARTS``), rank R stops
 before step K (it sleeps, holding no lock; its peers wait for it inside DDP's gradient all-reduce).
 Every step is checkpointed, so a resumed segment repeats no step.
+
+``--busy-step J --busy-s S``: before step J every rank computes for S seconds, on half a core (5 ms of
+CPU time, then 5 ms asleep), between two ``ck.log_step`` calls: the script's own validation pass, which
+ck is not told of.
 """
 
 from __future__ import annotations
@@ -26,11 +30,23 @@ def hang_forever() -> None:
         time.sleep(3600)
 
 
+def validate_for(seconds: float) -> None:
+    """A validation pass ck does not know of: computing in Python, no optimizer step."""
+    end, acc = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        burst = time.process_time() + 0.005
+        while time.process_time() < burst:
+            acc += sum(i * i for i in range(1000))
+        time.sleep(0.005)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--hang-rank", type=int, default=1)
     parser.add_argument("--hang-step", type=int, default=15)
+    parser.add_argument("--busy-step", type=int, default=0)
+    parser.add_argument("--busy-s", type=float, default=0.0)
     args = parser.parse_args()
 
     ctx = ck.init()
@@ -48,6 +64,8 @@ def main() -> None:
     for step in range(start + 1, args.steps + 1):
         if fresh and ctx.rank == args.hang_rank and step == args.hang_step:
             hang_forever()
+        if fresh and step == args.busy_step:
+            validate_for(args.busy_s)
         x = torch.randn(16, 32, generator=generator)
         loss = F.mse_loss(model(x), torch.zeros(16, 4))
         optimizer.zero_grad(set_to_none=True)

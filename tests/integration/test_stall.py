@@ -29,6 +29,7 @@ import pytest
 
 from cyclone_kit.runtime.watchers import stall as pg
 from tests.helpers.cli import REPO, run_cli
+from tests.helpers.slow_parts import hold_files, slow_parts_env
 
 pytestmark = pytest.mark.slow
 
@@ -85,9 +86,13 @@ def _ended_in_time(run_dir: Path, stuck: int) -> float:
 
 
 def test_a_rank_hung_at_a_step_is_named_with_its_stack(tmp_path: Path) -> None:
+    """An API script's rank 1 sleeps forever before step 15. Before step 8 both ranks validate (compute in
+    Python, on half a core) for 1.5 bounds between two ``ck.log_step`` calls, a pass ck is not told of: no
+    stall (the bound is the floor: ``stall_factor`` 1 keeps 1 x a tiny median step below it)."""
     proc = run_cli("run", str(HANG_SCRIPT), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path),
-                   "--set", f"checkpoint.stall_floor_s={FLOOR_S}", "--",
-                   "--steps", "1000000", "--hang-rank", "1", "--hang-step", "15", timeout=HANG_S)
+                   "--set", f"checkpoint.stall_floor_s={FLOOR_S}", "--set", "checkpoint.stall_factor=1", "--",
+                   "--steps", "1000000", "--hang-rank", "1", "--hang-step", "15",
+                   "--busy-step", "8", "--busy-s", str(1.5 * FLOOR_S), timeout=HANG_S)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     run_dir = _run_dir(proc.stdout)
     failure = _failure(run_dir)
@@ -102,6 +107,8 @@ def test_a_rank_hung_at_a_step_is_named_with_its_stack(tmp_path: Path) -> None:
     assert proc.stderr.splitlines()[0].startswith("error: rank 1 on host localhost"), proc.stderr[:2000]
     ends = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"end"' in line]
     assert [(e["status"], e["steps"]) for e in ends] == [("failed", 14)]
+    bound = json.loads((run_dir / "progress" / "rank-00001.json").read_text())["bound_s"]
+    assert bound == FLOOR_S, "the validation pass before step 8 lasted 1.5 bounds"
     _ended_in_time(run_dir, 1)
     status = run_cli("status", str(run_dir), timeout=HANG_S)
     assert status.returncode == 1 and "root cause" in status.stdout and "rank 1" in status.stdout, status.stdout
@@ -120,8 +127,8 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path, floor
     argv = ["run", str(SMOKE), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path),
             "--set", "train.steps=1000000", "--set", "train.log_every=5", "--set", f"checkpoint.stall_floor_s={floor_s}",
             "--set", f"train.pg_timeout_s={pg_timeout_s}",
-            # no validation pass and no checkpoint: the stop lands in a step (a pause, not a step, is not watched;
-            # a peer that stops there is left to the collective's timeout). val_every_epochs=0, not val_samples=0
+            # no validation pass and no checkpoint: the stop lands in a step, which this test is about (a stop in a
+            # pause is test_a_checkpoint_write_that_never_returns_...'s). val_every_epochs=0, not val_samples=0
             # (which means the whole validation set): a fresh run's stop landed at step 64, smoke.toml's epoch end
             # at ~20 ms a step, and rank 0 waited in validation's all-reduce until gloo's 60 s timeout
             "--set", "train.val_every_epochs=0", "--set", "checkpoint.every_steps=0"]
@@ -161,6 +168,35 @@ def test_a_stopped_rank_of_the_engine_is_named_by_its_peer(tmp_path: Path, floor
     if floor_s > waiter["ceiling_s"]:
         assert waiter["bound_s"] == waiter["ceiling_s"], waiter
     _ended_in_time(run_dir, 1)
+
+
+def test_a_checkpoint_write_that_never_returns_is_named_not_the_rank_that_waited_for_it(tmp_path: Path) -> None:
+    """Rank 0's write of the checkpoint of step 8 never returns (its fsync is held for good,
+    tests/helpers/slow_parts: a dead file system), written in the step (``checkpoint.async_write=false``),
+    while rank 1 waits for it in the checkpoint's barrier. A checkpoint is no step (no step bound runs
+    inside); before the pause was watched, gloo's timeout (30 s) failed rank 1's barrier and the run ended
+    as ``rank_failed`` blaming rank 1. Now rank 1 says ``stalled`` once it waited there for the pause's bound
+    (0.6 x the timeout), rank 0, whom it waits for, says so too with its stack, and rank 0 is named."""
+    env = slow_parts_env(tmp_path / "slow", hold_write=2)
+    proc = run_cli("run", str(SMOKE), "--nproc", "2", "--quiet", "--runs-dir", str(tmp_path / "runs"),
+                   "--set", "checkpoint.every_steps=4", "--set", "checkpoint.async_write=false",
+                   "--set", f"checkpoint.stall_floor_s={FLOOR_S}", "--set", "train.pg_timeout_s=30",
+                   env=env, timeout=HANG_S)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert hold_files(tmp_path / "slow").writing(), "the write was never held"
+    run_dir = _run_dir(proc.stdout)
+    failure = _failure(run_dir)
+    assert (failure["cause"], failure.get("stuck")) == ("stalled", [0]), (failure.get("root_cause"), proc.stderr[-4000:])
+    root = failure["root_cause"]
+    assert root.startswith("rank 0 on host localhost") and "in the checkpoint of step 8 after step 8" in root, root
+    assert "its peers waited for it" in root and "rank(s) 1 waited for it in a collective" in root, root
+    record = json.loads((run_dir / "ranks" / "error-rank-00000.json").read_text())
+    assert record["source"] == "progress-watchdog" and "held_fsync" in record["traceback"], record
+    assert not (run_dir / "ranks" / "error-rank-00001.json").exists(), "the waiting rank is not blamed"
+    waiter = json.loads((run_dir / "progress" / "rank-00001.json").read_text())
+    assert waiter["state"] == "stalled" and waiter["waiting"] is True and waiter["waited_s"] >= waiter["bound_s"], waiter
+    assert waiter["bound_s"] == waiter["ceiling_s"] == pg.COLLECTIVE_SHARE * 30, waiter
+    _ended_in_time(run_dir, 0)
 
 
 # --------------------------------------------------------------------------- scripts without the API

@@ -218,19 +218,189 @@ def _wait_past_the_bound(watch: _CountingWatch, looks: int) -> None:
         time.sleep(0.02)
 
 
-def test_a_pause_is_not_a_stall() -> None:
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_pause_is_not_a_stall(world_size: int) -> None:
+    """Several bounds (step and pause bounds alike) in a pause, in Python and outside any collective: no stall.
+    With a peer (world 2, the pause watched below the collective timeout), its record says it is live and
+    waits for nobody: this pass is just long."""
     records, called = _Records(), []
-    watch = _CountingWatch(records, 0, 1, "c1", pg.StallPolicy(floor_s=0.3, factor=20), "7:0",
-                           lambda *a: called.append(a), exit=lambda code: None, settle_s=0.0)
+    if world_size == 2:
+        records.write(1, {"rank": 1, "segment": "7:0", "state": "running", "step": 5, "beat_time": time.time()})
+    watch = _CountingWatch(records, 0, world_size, "c1", pg.StallPolicy(floor_s=0.3, factor=20, ceiling_s=0.3),
+                           "7:0", lambda *a: called.append(a), exit=lambda code: None, settle_s=0.0)
+    assert (watch.pause_bound is None) == (world_size == 1)
     for step in range(1, 6):  # armed before the thread starts: its first look is a tenth of the bound away
         watch.beat(step)
     watch.start()
-    with watch.paused():  # a checkpoint: several bounds long, and the watchdog looked at it many times
+    with watch.paused("a checkpoint"):  # several bounds long, and the watchdog looked at it many times
         _wait_past_the_bound(watch, looks=10)
     watch.beat(6)
     watch.stop()
     assert not called
     assert records.data[0]["state"] == "ended" and records.data[0]["step"] == 6
+
+
+def test_pause_rules() -> None:
+    policy = pg.StallPolicy(floor_s=60, factor=20, ceiling_s=18)
+    assert pg.pause_bound(policy, 2) == 18
+    assert pg.pause_bound(policy, 1) is None, "no peer: no collective would time out"
+    assert pg.pause_bound(pg.StallPolicy(60, 20, None), 4) is None, "the timeout unknown"
+    assert pg.pause_bound(pg.StallPolicy(0, 20, 18), 4) is None, "the watchdog off"
+    waiter = {"state": "stalled", "waiting": True, "step": 5}
+    v = pg.pause_verdict
+    assert v(18, 18.0, 18.0, 30, None, 0, 5) == pg.STALLED, "inside one collective call for the bound"
+    assert v(18, 18.0, None, 30, None, 0, 5) == pg.STALLED, "no probe: the frames alone"
+    assert v(18, 17.9, 17.9, 30, None, 0, 5) == pg.WORKING
+    assert v(18, 30.0, 0.5, 30, None, 0, 5) == pg.WORKING, "many short waits (a pipeline stage), back in Python"
+    assert v(18, None, 0.0, 17.9, {1: waiter}, 0, 5) == pg.WORKING, "paused for less than the bound"
+    assert v(18, None, 0.0, 18.0, {1: waiter}, 0, 5) == pg.STALLED, "a peer waits for this rank's pass"
+    assert v(18, None, 0.0, 99, {1: {**waiter, "step": 6}}, 0, 5) == pg.WORKING, "a peer at another step"
+    assert v(18, None, 0.0, 99, {1: {**waiter, "waiting": False}}, 0, 5) == pg.WORKING, "a peer waiting for nobody"
+    assert v(18, None, 0.0, 99, {1: {**waiter, "state": "running"}}, 0, 5) == pg.WORKING
+    assert v(18, None, 0.0, 99, {0: waiter}, 0, 5) == pg.WORKING, "its own record does not count"
+    assert v(18, None, 0.0, 99, None, 0, 5) == pg.WORKING, "records not read"
+
+
+#: One call inside a "collective": a lock's acquire (a C call: the main-thread probe stays outstanding) in a
+#: function compiled under torch/distributed's file name (its innermost Python frame).
+_COLLECTIVE: dict[str, Any] = {}
+exec(compile("def wait(lock, timeout=120):\n"
+             "    return lock.acquire(timeout=timeout)\n", "/v/torch/distributed/distributed_c10d.py", "exec"), _COLLECTIVE)
+
+
+def _peer(rank: int, **fields: Any) -> dict[str, Any]:
+    return {"rank": rank, "host": f"c{rank + 1}", "pid": 100 + rank, "segment": "7:0", "step": 5, "bound_s": 0.5,
+            "beat_time": time.time(), **fields}
+
+
+def test_a_rank_its_peer_waits_for_in_a_pause_is_named_with_its_stack() -> None:
+    """The engine's validation pass hangs on rank 0 (this test's main thread sits on a lock, released only by the
+    watchdog's exit), past the pause's bound, while rank 1 says it has waited for it in a collective at the same
+    step: rank 0 says ``stalled`` (not waiting) with its stack, and is the one named. No step bound is involved:
+    the watch was never armed."""
+    records, called, exits = _Records(), [], []
+    blocked = threading.Lock()
+    blocked.acquire()
+    records.write(1, _peer(1, state="stalled", waiting=True, where="distributed_c10d.py:1 in all_reduce"))
+
+    def leave(code: int) -> None:
+        exits.append(code)
+        blocked.release()
+
+    watch = pg.ProgressWatch(records, 0, 2, "c1", pg.StallPolicy(floor_s=60, factor=20, ceiling_s=0.5), "7:0",
+                             lambda stuck, recs, own: called.append((stuck, recs, own)), exit=leave, settle_s=0.0)
+    watch.beat(5)
+    watch.start()
+    with watch.paused("the validation pass of epoch 0"):
+        released = blocked.acquire(timeout=120)  # a hang guard, not a bound: the watchdog's exit releases it
+    watch.stop()
+    assert released and exits == [pg.STALL_EXIT_CODE], exits
+    (stuck, recs, own), = called
+    assert stuck == [0], (stuck, recs)
+    assert own["pause"] == "the validation pass of epoch 0" and own["waiting"] is False and own["step"] == 5, own
+    assert own["bound_s"] == 0.5 and own["paused_s"] >= 0.5 and own["idle_s"] >= own["bound_s"], own
+    assert "test_a_rank_its_peer_waits_for_in_a_pause" in own["where"] and "Thread 0x" in own["stack"], own["where"]
+    line = pg.stall_line(stuck, recs, 2)
+    assert line.startswith("rank 0 on host c1 (pid ") and "in the validation pass of epoch 0 after step 5" in line, line
+    assert "0.5 x the process group's timeout" not in line and "rank(s) 1 waited for it in a collective" in line, line
+    error = pg.stall_error_record(own, "now")
+    assert error["message"].startswith("no progress in the validation pass of epoch 0 after step 5: its peers waited"), error
+
+
+def test_a_rank_waiting_in_a_collective_in_a_pause_names_the_peer_it_waits_for() -> None:
+    """Made, not hoped for: in a checkpoint pause the main thread (this test) sits in one collective-like call (a
+    lock's acquire, in a function compiled under torch/distributed's file name) until its watchdog fires, past
+    the pause's bound, counted from when it first saw it there; the peer wrote its record long ago and stopped
+    (no answer): it is the one named, and this rank waited for it."""
+    records, called, exits = _Records(), [], []
+    blocked = threading.Lock()
+    blocked.acquire()
+    records.write(1, _peer(1, state="running", beat_time=time.time() - 600))
+
+    def leave(code: int) -> None:
+        exits.append(code)
+        blocked.release()
+
+    watch = pg.ProgressWatch(records, 0, 2, "c1", pg.StallPolicy(floor_s=60, factor=20, ceiling_s=0.5), "7:0",
+                             lambda stuck, recs, own: called.append((stuck, own)), exit=leave, settle_s=0.0)
+    for step in range(1, 6):
+        watch.beat(step)
+    watch.start()
+    with watch.paused("the checkpoint of step 5"):
+        released = _COLLECTIVE["wait"](blocked)  # a hang guard inside, not a bound: the watchdog's exit releases it
+    watch.stop()
+    assert released and exits == [pg.STALL_EXIT_CODE], exits
+    (stuck, own), = called
+    assert stuck == [1] and own["waiting"] is True and own["pause"] == "the checkpoint of step 5", own
+    assert own["waited_s"] >= 0.5 and own["bound_s"] == 0.5, own
+    assert "waited inside a collective for" in pg.stall_error_record(own, "now")["message"]
+
+
+def test_a_pipeline_stage_waiting_at_every_micro_batch_of_a_long_pass_is_not_stalled() -> None:
+    """A pause several bounds long in which the main thread is inside a collective at (nearly) every look, but
+    in many short calls (a pipeline stage waiting for its neighbour's activations, micro-batch after
+    micro-batch of a validation pass), returning to Python between them: no stall; the peer, live, waits for
+    nobody."""
+    records, called = _Records(), []
+    records.write(1, _peer(1, state="running"))
+    watch = _CountingWatch(records, 0, 2, "c1", pg.StallPolicy(floor_s=60, factor=20, ceiling_s=0.3), "7:0",
+                           lambda *a: called.append(a), exit=lambda code: None, settle_s=0.0)
+    for step in range(1, 6):
+        watch.beat(step)
+    watch.start()
+    short = threading.Lock()
+    short.acquire()
+    with watch.paused("the validation pass of epoch 0"):
+        start, looks = time.monotonic(), watch.looks
+        while not called and (watch.looks < looks + 10 or time.monotonic() - start < 3 * 0.3):
+            assert time.monotonic() - start < 60, "the watchdog stopped looking"  # a hang guard, not a bound
+            records.write(1, _peer(1, state="running"))
+            _COLLECTIVE["wait"](short, 0.02)  # one micro-batch's wait: 20 ms inside the collective
+    watch.beat(6)
+    watch.stop()
+    assert not called
+
+
+def test_a_stall_declared_in_a_pause_is_taken_back_when_the_pause_ends() -> None:
+    """Rank 0 waits in a collective in a validation pass past the bound and says ``stalled``; its peer is live
+    and has not decided (a slow pass, not a hang), then the pass ends (the collective returned): rank 0 stands
+    down, no ``on_stall``, no exit; its record says ``running`` again."""
+    records, called, exits = _Records(), [], []
+    peer = _peer(1, state="running")
+    records.write(1, peer)
+    blocked = threading.Lock()
+    blocked.acquire()
+    watch = pg.ProgressWatch(records, 0, 2, "c1", pg.StallPolicy(floor_s=60, factor=20, ceiling_s=0.5), "7:0",
+                             lambda *a: called.append(a), exit=exits.append, settle_s=60.0)
+    for step in range(1, 6):
+        watch.beat(step)
+    watch.start()
+
+    def said_stalled() -> bool:
+        records.write(1, {**peer, "beat_time": time.time()})  # the peer stays live meanwhile
+        return (records.read_all().get(0) or {}).get("state") == "stalled"
+
+    def peer_side() -> None:  # the live peer; the collective returns once rank 0 said stalled (the pass ended)
+        deadline = time.monotonic() + 60  # a hang guard, not a bound
+        while not said_stalled() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        blocked.release()
+
+    helper = threading.Thread(target=peer_side)
+    helper.start()
+    with watch.paused("the validation pass of epoch 0"):
+        released = _COLLECTIVE["wait"](blocked)  # one call inside a collective, until the helper lets it return
+    helper.join(60)
+    assert released and said_stalled(), "the watchdog never said stalled"
+    deadline = time.monotonic() + 60  # a hang guard, not a bound
+    while (records.read_all().get(0) or {}).get("state") != "running":
+        assert time.monotonic() < deadline, "the watchdog never took its stall back"
+        records.write(1, {**peer, "beat_time": time.time()})
+        time.sleep(0.05)
+    watch.beat(6)
+    watch.stop()
+    assert not called and not exits and not pg._STALLING.is_set()
+    assert records.read_all()[0]["state"] == "ended"
 
 
 SCRIPT = ["/x/train.py", "/x/train.py"]

@@ -237,7 +237,7 @@ class SegmentLoop(abc.ABC):
 
     def end_epoch(self, epoch: int, seconds: float, validate: bool) -> None:
         """The epoch record, with the validation accuracy when ``validate`` (no step for the stall watcher)."""
-        with self.session.not_a_step():
+        with self.session.not_a_step(f"the validation pass of epoch {epoch}"):
             accuracy = self.validate() if validate and self.validates and self.data.val is not None else None
         self.session.write(mx.epoch_record(epoch, accuracy, seconds, mx.utc_now()))
         if self.env.is_main and accuracy is not None:
@@ -257,7 +257,7 @@ class SegmentLoop(abc.ABC):
         """The checkpoint after ``step``: parameters judged first; gathering, shard writes and the file
         are no step for the stall watcher (a write to a slow shared file system may outlast its bound)."""
         self.check_params(step)  # a checkpoint never holds non-finite weights unless the spec allows them
-        with self.session.not_a_step():
+        with self.session.not_a_step(f"the checkpoint of step {step}"):
             self.write_checkpoint(step, epoch)
 
     def position_state(self, step: int, epoch: int, rngs: Any) -> dict[str, Any]:

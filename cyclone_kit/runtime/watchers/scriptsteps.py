@@ -26,8 +26,9 @@ rightly outlasts the bound (joining a thread that validates) counts as a stall t
 ``checkpoint.stall_floor_s``. A rank that spins in a Python loop of its own is not caught by its
 own watchdog; its peers, waiting for it in a collective, are.
 
-``ck.init()`` + ``ck.log_step`` in the script take over (:func:`hand_over`): the API's watchdog knows
-what is a step and what is not. Stdlib only.
+``ck.init()`` + ``ck.log_step`` in the script take over (:func:`hand_over`): the API's watchdog knows the
+script's steps and its checkpoints (``ck.save_checkpoint``); the script's own passes between two steps
+it judges by the same rule, :data:`BUSY_SHARE`. Stdlib only.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ after every optimizer step: the built-in engines and ``ck.log_step`` call it thr
   ``checkpoint.stall_factor``, default 20), armed once :data:`MIN_STEPS` steps were timed (the
   start-up is covered by the process-group timeout); checkpoints and validation are not steps
   and are excluded (:meth:`ProgressWatch.paused`);
+* inside such a **pause** no step bound applies (a validation pass or a checkpoint write may rightly
+  take long), but a hang there would otherwise end as a peer's collective timeout that blames the
+  rank that waited: with peers and a known process-group timeout, a rank whose main thread has
+  waited inside a collective for the pause's bound (:func:`pause_bound`, the step bound's ceiling)
+  says ``stalled`` (waiting), and a paused rank that such a peer waits for says ``stalled`` too, with
+  its stack (:func:`pause_verdict`): the usual agreement below then names it;
 * every few seconds it writes this rank's **progress record** (``progress/rank-N.json``:
   step, time of the last step, bound, state), read by its peers and by the batch host's step
   watcher (:mod:`cyclone_kit.runtime.watchers.jobstep`);
@@ -153,6 +159,40 @@ def waiting_for_peers(frames: Sequence[str]) -> bool:
 STALLED, WORKING, UNSURE = "stalled", "working", "unsure"
 
 
+def pause_bound(policy: StallPolicy, world_size: int) -> float | None:
+    """Seconds a paused rank (a validation pass, a checkpoint: :meth:`ProgressWatch.paused`) may wait inside a
+    collective before it says ``stalled`` (pure): the step bound's ceiling, :data:`COLLECTIVE_SHARE` of the process
+    group's timeout, which that collective fails at anyway (blaming the rank that waited). None, not watched: one
+    rank (no peer to wait for), the watchdog off, or the timeout unknown."""
+    if not policy.enabled or world_size < 2 or not policy.ceiling_s:
+        return None
+    return policy.ceiling_s
+
+
+def pause_verdict(bound_s: float, waiting_s: float | None, silent_s: float | None, paused_s: float,
+                  peers: Mapping[int, Mapping[str, Any] | None] | None, rank: int, step: int | None) -> str:
+    """What a rank paused for ``paused_s`` seconds is doing (pure): :data:`STALLED` or :data:`WORKING`.
+
+    Stalled: its main thread has waited inside one collective for ``bound_s``: seen inside a collective at
+    every look for that long (``waiting_s``; None: not there now) and run no Python meanwhile (``silent_s``,
+    the main-thread probe's; None: no probe, the frames alone decide), so a pipeline stage that waits for its
+    neighbour at every micro-batch of a long validation pass is not taken for one long wait; or a peer
+    (``peers``: the progress records of this segment, None: not read) says ``stalled``, waiting in a
+    collective, at this rank's step, and this rank has been paused for the bound: the peer waits for it (for
+    this pass to end), whatever it does meanwhile (sleeps, sits in one C call, loops in Python). A pass that
+    rightly outlasts the bound while nobody waits for it is working.
+    """
+    if waiting_s is not None and waiting_s >= bound_s and (silent_s is None or silent_s >= bound_s):
+        return STALLED
+    if paused_s < bound_s or not peers:
+        return WORKING
+    for r, rec in peers.items():
+        if (r != rank and isinstance(rec, Mapping) and rec.get("state") == "stalled" and rec.get("waiting") is True
+                and rec.get("step") == step):
+            return STALLED
+    return WORKING
+
+
 def idle_verdict(busy_share: float, idle_s: float, bound_s: float, cpu_s: float, frames: Sequence[str],
                  silent_s: float | None, waiting_s: float | None = None) -> str:
     """What a rank with no step for ``idle_s`` (past its bound ``bound_s``) is doing (pure):
@@ -287,6 +327,9 @@ def describe_bound(rec: Mapping[str, Any]) -> str:
     rule = (f"max(checkpoint.stall_floor_s {rec.get('floor_s', 0):g} s, "
             f"{rec.get('factor', 0):g} x median step {rec.get('median_step_s') or 0:.3f} s)")
     bound, ceiling = rec.get("bound_s") or 0, rec.get("ceiling_s")
+    if rec.get("pause"):
+        return (f"bound {bound:.1f} s = {COLLECTIVE_SHARE:g} x the process group's timeout, in {rec['pause']}, "
+                "not a step: a peer's collective would time out first")
     if ceiling and bound >= ceiling:
         return (f"bound {bound:.1f} s = {COLLECTIVE_SHARE:g} x the process group's timeout, below {rule}: "
                 "a peer's collective would time out first")
@@ -302,6 +345,9 @@ def stall_line(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] | N
         if rec.get("state") != "stalled":
             parts.append(f"{where} stopped making progress after step {rec.get('step', '?')} and did not answer "
                          "(stopped, frozen, or its node is gone): no stack")
+        elif rec.get("pause"):
+            parts.append(f"{where} stopped making progress in {rec['pause']} after step {rec.get('step')}: "
+                         f"{pause_what(rec)} ({describe_bound(rec)}), in {rec.get('where') or '?'}")
         else:
             parts.append(f"{where} stopped making progress after step {rec.get('step')}: no step for "
                          f"{rec.get('idle_s', 0):.1f} s ({describe_bound(rec)}), in {rec.get('where') or '?'}")
@@ -312,10 +358,21 @@ def stall_line(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] | N
     return line
 
 
+def pause_what(rec: Mapping[str, Any]) -> str:
+    """What a rank that stalled in a pause was doing, from its record (pure)."""
+    if rec.get("waiting"):
+        return f"waited inside a collective for {rec.get('waited_s') or 0:.1f} s"
+    return f"its peers waited for it; paused for {rec.get('paused_s') or 0:.1f} s"
+
+
 def stall_error_record(rec: Mapping[str, Any], when: str) -> dict[str, Any]:
     """The error record of a stuck rank, from its progress record (pure): its stack when it answered."""
     rank = int(rec.get("rank", -1))
-    if rec.get("state") == "stalled":
+    if rec.get("state") == "stalled" and rec.get("pause"):
+        message = (f"no progress in {rec['pause']} after step {rec.get('step')}: {pause_what(rec)} "
+                   f"({describe_bound(rec)}); the main thread is in {rec.get('where') or '?'}")
+        source = "progress-watchdog"
+    elif rec.get("state") == "stalled":
         message = (f"no optimizer step for {rec.get('idle_s', 0):.1f} s after step {rec.get('step')} "
                    f"({describe_bound(rec)}); the main thread is in {rec.get('where') or '?'}")
         source = "progress-watchdog"
@@ -396,14 +453,15 @@ class ProgressWatch:
             rank leaves; it writes the error record and ``failure.json`` and may requeue.
         exit: how a stalled rank leaves (default ``os._exit``; tests pass their own).
         settle_s: seconds to wait for the peers' records (default :func:`settle_time`).
-        busy_share: for a loop that cannot say what is not a step (a script without the API, fed by
-            its optimizer steps): past the bound, a rank whose main thread is not inside a
+        busy_share: for a loop that cannot say all that is not a step (a script without the API, fed by
+            its optimizer steps; a script on the API, whose own validation ck is not told of): past the
+            bound, a rank whose main thread is not inside a
             collective, keeps returning to Python and used at least this share of a core since its
             last step is busy (a validation pass, a checkpoint), not stalled: the wait starts again
-            (see :func:`idle_verdict`). None (the API and the engines): no such exception.
+            (see :func:`idle_verdict`). None (the engines, which mark their pauses): no such exception.
         cpu_clock: this process's CPU seconds (default :func:`time.process_time`).
         probe: tells how long the main thread ran no Python (``post()``, ``silent_s()``); default with
-            ``busy_share``: a :class:`MainThreadProbe`, posted at every look.
+            ``busy_share`` or a :func:`pause_bound`: a :class:`MainThreadProbe`, posted at every look.
     """
 
     def __init__(self, records: Any, rank: int, world_size: int, host: str, policy: StallPolicy, segment: str,
@@ -414,24 +472,29 @@ class ProgressWatch:
         self.records, self.rank, self.world_size, self.host = records, rank, world_size, host
         self.policy, self.segment, self.on_stall, self._exit = policy, segment, on_stall, exit
         self.settle_s, self.busy_share, self._cpu_clock = settle_s, busy_share, cpu_clock
-        self.probe = probe if probe is not None or busy_share is None else main_thread_probe()
+        self.pause_bound = pause_bound(policy, world_size)
+        self.probe = probe if probe is not None or (busy_share is None and self.pause_bound is None) \
+            else main_thread_probe()
         self.step: int | None = None
         self._t_last = time.monotonic()
         self._cpu_last = cpu_clock()
         self._waiting_since: float | None = None  # when a look first saw the main thread inside a collective
         self._intervals: deque[float] = deque(maxlen=WINDOW)
-        self._paused = 0
+        self._pauses: tuple[str, ...] = ()  # what each open pause is, outermost first (replaced, never mutated)
+        self._pause_id = 0  # counts the outermost pauses: a stall declared in one is taken back once it ends
+        self._pause_t0 = 0.0
         self._stop = threading.Event()
         self._armed = threading.Event()  # set by the beat that arms the bound: the thread's next look comes now
         self._thread: threading.Thread | None = None
         self._last_write = 0.0
+        self._last_read = 0.0  # when a look inside a long pause last read the peers' records
         self.stalled = False
 
     # -- fed by the training loop (main thread): cheap
     def beat(self, step: int) -> None:
         """Optimizer step ``step`` is done."""
         now = time.monotonic()
-        if self.step is not None and step > self.step and not self._paused:
+        if self.step is not None and step > self.step and not self._pauses:
             self._intervals.append((now - self._t_last) / (step - self.step))
             if len(self._intervals) == MIN_STEPS:  # armed: the thread may be in an unarmed (5 s) wait
                 self._armed.set()
@@ -440,13 +503,18 @@ class ProgressWatch:
             self._cpu_last = self._cpu_clock()
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Not steps: a checkpoint, a validation pass (the time inside counts neither way)."""
-        self._paused += 1
+    def paused(self, what: str = "work that is not a step") -> Iterator[None]:
+        """Not steps: a checkpoint, a validation pass (``what`` names it in a stall's records, e.g.
+        ``"validation"``). The time inside counts neither way for the step bound; a hang inside is
+        still named when peers wait for it (:func:`pause_verdict`)."""
+        if not self._pauses:
+            self._pause_t0 = time.monotonic()
+            self._pause_id += 1
+        self._pauses = (*self._pauses, what)
         try:
             yield
         finally:
-            self._paused -= 1
+            self._pauses = self._pauses[:-1]
             self._t_last = time.monotonic()
 
     # -- the thread
@@ -493,18 +561,25 @@ class ProgressWatch:
     def _loop(self) -> None:
         while True:
             bound = self.bound()
-            # unarmed: look every 5 s, or at once when a beat arms the bound (a stall is then one bound away)
-            (self._armed if bound is None else self._stop).wait(check_interval(bound))
+            # unarmed: look every 5 s (a pause's bound may ask for more often), or at once when a beat arms the
+            # bound (a stall is then one bound away)
+            (self._armed if bound is None else self._stop).wait(check_interval(bound or self.pause_bound))
             if self._stop.is_set():
                 return
             bound = self.bound()
             now = time.monotonic()
+            pauses = self._pauses
             if self.probe is not None:
                 self.probe.post()
-            if self.busy_share is not None:  # how long the main thread has waited inside a collective
+            if self.busy_share is not None or pauses:  # how long the main thread has waited inside a collective
                 waiting = waiting_for_peers([main_thread_file()])
                 self._waiting_since = (self._waiting_since if self._waiting_since is not None else now) if waiting else None
-            if bound is not None and not self._paused and now - self._t_last > bound:
+            else:
+                self._waiting_since = None
+            if pauses:
+                if self._pause_stalled(now, pauses[-1]):
+                    return
+            elif bound is not None and now - self._t_last > bound:
                 if self.busy_share is None:
                     if self._stall():
                         return
@@ -524,20 +599,41 @@ class ProgressWatch:
             if now - self._last_write >= beat_interval(bound):
                 self._write(self.record("running"))
 
-    def _stall(self) -> bool:
-        """No step for longer than the bound: record, agree on the stuck rank(s), hand over, leave (True; a
-        test's ``exit`` returns). False: this rank made a step while it waited for its peers' records (the
-        peer it waited for caught up): it stands down, its record says ``running`` again, the watch goes on."""
+    def _pause_stalled(self, now: float, what: str) -> bool:
+        """A look inside a pause (:func:`pause_verdict`); True when this rank stalled and left (a test's ``exit``
+        returned). Peers' records are read only once the pause outlasted its bound, at most every beat."""
+        bound = self.pause_bound
+        if bound is None:
+            return False
+        paused_s = now - self._pause_t0
+        waited = None if self._waiting_since is None else now - self._waiting_since
+        silent = self.probe.silent_s() if self.probe is not None else None
+        verdict = pause_verdict(bound, waited, silent, paused_s, None, self.rank, self.step)
+        if verdict != STALLED and paused_s >= bound and waited is None and now - self._last_read >= beat_interval(bound):
+            self._last_read = now
+            verdict = pause_verdict(bound, None, silent, paused_s, self.current_records(), self.rank, self.step)
+        if verdict != STALLED:
+            return False
+        return self._stall(bound, pause=what, bound_s=bound, paused_s=round(paused_s, 3),
+                           waited_s=None if waited is None else round(waited, 3))
+
+    def _stall(self, bound: float | None = None, **pause: Any) -> bool:
+        """No step for longer than the bound (or, with ``pause``, no end to a pause a peer waits for: the
+        pause's fields for the record): record, agree on the stuck rank(s), hand over, leave (True; a
+        test's ``exit`` returns). False: this rank made a step, or its pause ended, while it waited for its
+        peers' records (the peer it waited for caught up): it stands down, its record says ``running``
+        again, the watch goes on."""
         self.stalled = True
         _STALLING.set()  # before this rank says "stalled": a peer that acts on it may break our collective
+        pause_id = self._pause_id if pause else None
         frames, where = main_thread_frames()
-        own = self.record("stalled", waiting=waiting_for_peers(frames), where=where, stack=dump_stacks())
+        own = self.record("stalled", waiting=waiting_for_peers(frames), where=where, stack=dump_stacks(), **pause)
         self._write(own)
-        settle = settle_time(self.bound()) if self.settle_s is None else self.settle_s
+        settle = settle_time(bound if bound is not None else self.bound()) if self.settle_s is None else self.settle_s
         start = time.monotonic()
         records: dict[int, Any] = {}
         while True:
-            if self.step != own["step"]:
+            if self._moved_on(own["step"], pause_id):
                 return self._stand_down()
             records = self.current_records()
             if all((records.get(r) or {}).get("state") == "stalled" for r in range(self.world_size)):
@@ -549,7 +645,7 @@ class ProgressWatch:
                                      or not live_undecided(records, self.rank, time.time())):
                 break
             time.sleep(0.2)
-        if self.step != own["step"]:
+        if self._moved_on(own["step"], pause_id):
             return self._stand_down()
         records = self.current_records()
         records[self.rank] = own
@@ -558,13 +654,18 @@ class ProgressWatch:
             self.on_stall(stuck, records, own)
         except Exception as e:  # leave anyway: the launcher stops the rest
             sys.stderr.write(f"cyclone_kit: progress watchdog: {type(e).__name__}: {e}\n")
-        sys.stderr.write(f"cyclone_kit: rank {self.rank}: no step for {own['idle_s']:.1f} s "
-                         f"({describe_bound(own)}); stuck: rank(s) {', '.join(map(str, stuck))}; leaving\n")
+        what = f"in {own['pause']}: {pause_what(own)}" if pause else f"no step for {own['idle_s']:.1f} s"
+        sys.stderr.write(f"cyclone_kit: rank {self.rank}: {what} ({describe_bound(own)}); "
+                         f"stuck: rank(s) {', '.join(map(str, stuck))}; leaving\n")
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         self._exit(STALL_EXIT_CODE)
         return True
+
+    def _moved_on(self, step: int | None, pause_id: int | None) -> bool:
+        """Whether this rank made a step since ``step``, or left the pause ``pause_id`` (None: not in one)."""
+        return self.step != step or (pause_id is not None and (pause_id != self._pause_id or not self._pauses))
 
     def _stand_down(self) -> bool:
         """A stall this rank declared, taken back: it made a step since (see :meth:`_stall`)."""
