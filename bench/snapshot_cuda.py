@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     model(x).sum().backward()
     opt.step()
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    size = sum(t.numel() * t.element_size() for t in _flat(state))
+    tensors = _flat(state)
+    size = sum(t.numel() * t.element_size() for t in tensors)
 
     def timed(fn: Any) -> tuple[Any, float]:
         torch.cuda.synchronize()
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     reused = [timed(lambda: ck.snapshot(state, into=spare))[1] for _ in range(args.rounds)]
     r, f, u = (statistics.median(v) * 1e3 for v in (ref, first, reused))
     print(f"snapshot_cuda: {args.model} + SGD momentum on {torch.cuda.get_device_name()}, {size / 2**20:.0f} MiB "
-          f"in {len(_flat(state))} tensors; median of {args.rounds}")
+          f"in {len(tensors)} tensors; median of {args.rounds}")
     print(f"  reference, pageable copy per tensor: {r:8.1f} ms  ({size / 2**30 / (r / 1e3):.1f} GiB/s)")
     print(f"  ck.snapshot, first (pinned alloc):   {f:8.1f} ms")
     print(f"  ck.snapshot, into the last one:      {u:8.1f} ms  ({size / 2**30 / (u / 1e3):.1f} GiB/s)")
