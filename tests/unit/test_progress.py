@@ -90,6 +90,15 @@ def test_fewer_steps_and_silence_make_a_rank_stuck() -> None:
     records = {0: _rec(0, 14, waiting=True), 1: _rec(1, 14, state="running")}
     assert pg.choose_stuck(records, 2) == [1]
     assert "did not answer" in pg.stall_line([1], records, 2)
+    # ... told apart from one alive but busy (its watchdog wrote a second ago: a loop of its own), given the time
+    now = 1000.0
+    stopped = {0: _rec(0, 14, waiting=True), 1: _rec(1, 14, state="running", beat_time=now - 60, bound_s=6.0)}
+    busy = {0: _rec(0, 14, waiting=True), 1: _rec(1, 14, state="running", beat_time=now - 1, bound_s=6.0)}
+    assert "did not answer (stopped, frozen, or its node is gone)" in pg.stall_line([1], stopped, 2, now)
+    line = pg.stall_line([1], busy, 2, now)
+    assert "did not say it stalled, though its watchdog still wrote" in line and "did not answer" not in line, line
+    assert "still wrote" in pg.stall_error_record(busy[1], "t", now)["message"]
+    assert "did not answer" in pg.stall_error_record(stopped[1], "t", now)["message"]
     # no record at all (died before its first heartbeat)
     assert pg.choose_stuck({0: _rec(0, 3, waiting=True)}, 2) == [1]
     # everyone waits in a collective: nobody stands out, all are named

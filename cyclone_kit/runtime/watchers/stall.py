@@ -141,13 +141,14 @@ def live_undecided(records: Mapping[int, Mapping[str, Any] | None], rank: int, n
     """Whether a peer of ``rank`` has not said ``stalled`` yet but wrote its record lately (pure): within two
     of its beat intervals and a second. A stopped or hung peer wrote last when it stopped, a bound or more
     ago; a live one (its rank waiting in a collective) writes every beat interval."""
-    for r, rec in records.items():
-        if r == rank or not isinstance(rec, Mapping) or rec.get("state") == "stalled":
-            continue
-        age = now - float(rec.get("beat_time") or 0)
-        if age <= 2 * beat_interval(rec.get("bound_s")) + 1:
-            return True
-    return False
+    return any(r != rank and isinstance(rec, Mapping) and rec.get("state") != "stalled" and wrote_lately(rec, now)
+               for r, rec in records.items())
+
+
+def wrote_lately(rec: Mapping[str, Any], now: float) -> bool:
+    """Whether a rank's watchdog wrote its record within two of its beat intervals and a second of ``now`` (pure):
+    the rank is alive, whatever its main thread does."""
+    return now - float(rec.get("beat_time") or 0) <= 2 * beat_interval(rec.get("bound_s")) + 1
 
 
 def waiting_for_peers(frames: Sequence[str]) -> bool:
@@ -336,15 +337,23 @@ def describe_bound(rec: Mapping[str, Any]) -> str:
     return f"bound {bound:.1f} s = {rule}"
 
 
-def stall_line(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] | None], world_size: int) -> str:
-    """The root cause of a stall, in one line (pure)."""
+#: Why a stuck rank that did not say ``stalled`` has no stack, by whether it was alive (:func:`wrote_lately`).
+SILENT_WHY = {False: "did not answer (stopped, frozen, or its node is gone): no stack",
+              True: "did not say it stalled, though its watchdog still wrote (alive, computing outside any "
+                    "collective: a pass or a loop of its own longer than the bound): no stack"}
+
+
+def stall_line(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] | None], world_size: int,
+               now: float | None = None) -> str:
+    """The root cause of a stall, in one line (pure); ``now`` (Unix time; None: unknown) tells a stuck rank that
+    did not answer from one alive but busy."""
     parts = []
     for rank in stuck:
         rec = records.get(rank) or {}
         where = f"rank {rank} on host {rec.get('host', '?')}" + (f" (pid {rec['pid']})" if rec.get("pid") else "")
         if rec.get("state") != "stalled":
-            parts.append(f"{where} stopped making progress after step {rec.get('step', '?')} and did not answer "
-                         "(stopped, frozen, or its node is gone): no stack")
+            alive = now is not None and bool(rec) and wrote_lately(rec, now)
+            parts.append(f"{where} stopped making progress after step {rec.get('step', '?')} and {SILENT_WHY[alive]}")
         elif rec.get("pause"):
             parts.append(f"{where} stopped making progress in {rec['pause']} after step {rec.get('step')}: "
                          f"{pause_what(rec)} ({describe_bound(rec)}), in {rec.get('where') or '?'}")
@@ -365,8 +374,9 @@ def pause_what(rec: Mapping[str, Any]) -> str:
     return f"its peers waited for it; paused for {rec.get('paused_s') or 0:.1f} s"
 
 
-def stall_error_record(rec: Mapping[str, Any], when: str) -> dict[str, Any]:
-    """The error record of a stuck rank, from its progress record (pure): its stack when it answered."""
+def stall_error_record(rec: Mapping[str, Any], when: str, now: float | None = None) -> dict[str, Any]:
+    """The error record of a stuck rank, from its progress record (pure): its stack when it answered; ``now``
+    as for :func:`stall_line`."""
     rank = int(rec.get("rank", -1))
     if rec.get("state") == "stalled" and rec.get("pause"):
         message = (f"no progress in {rec['pause']} after step {rec.get('step')}: {pause_what(rec)} "
@@ -377,8 +387,8 @@ def stall_error_record(rec: Mapping[str, Any], when: str) -> dict[str, Any]:
                    f"({describe_bound(rec)}); the main thread is in {rec.get('where') or '?'}")
         source = "progress-watchdog"
     else:
-        message = (f"stopped making progress after step {rec.get('step', '?')} and did not answer its peers' "
-                   "watchdogs: no stack (stopped, frozen, or its node is gone)")
+        alive = now is not None and "beat_time" in rec and wrote_lately(rec, now)
+        message = f"stopped making progress after step {rec.get('step', '?')} and {SILENT_WHY[alive]}"
         source = "peer-watchdog"
     return {"rank": rank, "host": rec.get("host", "?"), "pid": rec.get("pid"), "time": when, "type": "Stalled",
             "message": message, "traceback": rec.get("stack") or "", "step": rec.get("step"),
@@ -390,12 +400,12 @@ def stall_failure(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] 
     """The ``failure.json`` of a stall and the stuck ranks' error records (pure but for the time)."""
     from cyclone_kit.rundir.failures import failure_doc, utc_now
 
-    when = utc_now()
-    errors = {r: stall_error_record(records.get(r) or {"rank": r}, when) for r in stuck}
+    when, now = utc_now(), time.time()
+    errors = {r: stall_error_record(records.get(r) or {"rank": r}, when, now) for r in stuck}
     first = errors[stuck[0]] if stuck else None
     ranks = [{k: (records.get(r) or {}).get(k) for k in ("rank", "host", "pid", "step", "state", "waiting", "where")}
              | {"rank": r} for r in range(world_size)]
-    doc = failure_doc(written_by="progress-watchdog", cause="stalled", root_cause=stall_line(stuck, records, world_size),
+    doc = failure_doc(written_by="progress-watchdog", cause="stalled", root_cause=stall_line(stuck, records, world_size, now),
                       first=first, job_id=job_id, ranks=ranks, time=when, segment=segment, stuck=list(stuck))
     return doc, errors
 
