@@ -213,13 +213,12 @@ def init(run_dir: str | Path | None = None, *, log_every: int | None = None, max
     _install_hook()
     from cyclone_kit.runtime.env import detect
     from cyclone_kit.runtime.session import open_session
-
-    env = detect(environ)
-    session = open_session(env, environ, folder or Path(), cc, group_for_one=True,
-                           t_start=t_start)
     from cyclone_kit.runtime.watchers.scriptsteps import BUSY_SHARE
 
-    session.busy_share = BUSY_SHARE  # the script's own validation passes are no step ck is told of: not stalls
+    env = detect(environ)
+    # busy_share: the script's own validation passes are no step ck is told of, so not stalls
+    session = open_session(env, environ, folder or Path(), cc, group_for_one=True, t_start=t_start,
+                           busy_share=BUSY_SHARE)
     if folder is None:
         folder = _new_run_dir(session)
         session.run_dir = folder

@@ -209,8 +209,8 @@ class Session:
             self.watch.beat(step)
 
     def not_a_step(self, what: str = "work that is not a step") -> Any:
-        """A context for work between steps that is not a step (``what``: e.g. ``"validation"``, ``"a
-        checkpoint"``; a stall inside names it)."""
+        """A context for work between steps that is not a step (``what``: e.g. ``"the validation pass of epoch
+        3"``, ``"the checkpoint of step 8"``; a stall inside names it)."""
         import contextlib
 
         return self.watch.paused(what) if self.watch else contextlib.nullcontext()
@@ -550,7 +550,8 @@ FAILED_WRITE_WAIT_S = 120.0
 
 def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: CheckpointConfig, *,
                  pg_timeout_s: int = 600, stop_flag: StopFlag | None = None, group_for_one: bool = False,
-                 t_start: float | None = None, backend: str | None = None) -> Session:
+                 t_start: float | None = None, backend: str | None = None,
+                 busy_share: float | None = None) -> Session:
     """Set up this rank: signal handlers, threads, device, process group, hosts, stop agreement.
 
     Args:
@@ -565,6 +566,8 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
         t_start: when the segment started (default: now).
         backend: the process group's backend instead of the device's (gloo for Horovod, whose
             own ring moves the gradients).
+        busy_share: the progress watchdog's rule for passes between steps it is not told of
+            (:attr:`Session.busy_share`; a script on the API).
     """
     t_start = time.perf_counter() if t_start is None else t_start
     stop_flag = stop_flag or catch_stop_signals(cc.signal)
@@ -595,7 +598,7 @@ def open_session(env: DistEnv, environ: Mapping[str, str], run_dir: Path, cc: Ch
                       distributed=env.is_distributed, owns_group=owns, threads=threads, host=host,
                       hostnames=gather_hosts(host, env.is_distributed), t_start=t_start,
                       pg_timeout_s=(pg_timeout_s if owns else group_timeout_s(device.kind))
-                      if env.is_distributed else None)
+                      if env.is_distributed else None, busy_share=busy_share)
     session.agreement = StopAgreement(stop_flag, env.is_distributed, interval_s=cc.poll_s)
     return session
 

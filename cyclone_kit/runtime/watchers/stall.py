@@ -352,7 +352,7 @@ def stall_line(stuck: Sequence[int], records: Mapping[int, Mapping[str, Any] | N
         rec = records.get(rank) or {}
         where = f"rank {rank} on host {rec.get('host', '?')}" + (f" (pid {rec['pid']})" if rec.get("pid") else "")
         if rec.get("state") != "stalled":
-            alive = now is not None and bool(rec) and wrote_lately(rec, now)
+            alive = now is not None and wrote_lately(rec, now)
             parts.append(f"{where} stopped making progress after step {rec.get('step', '?')} and {SILENT_WHY[alive]}")
         elif rec.get("pause"):
             parts.append(f"{where} stopped making progress in {rec['pause']} after step {rec.get('step')}: "
@@ -387,7 +387,7 @@ def stall_error_record(rec: Mapping[str, Any], when: str, now: float | None = No
                    f"({describe_bound(rec)}); the main thread is in {rec.get('where') or '?'}")
         source = "progress-watchdog"
     else:
-        alive = now is not None and "beat_time" in rec and wrote_lately(rec, now)
+        alive = now is not None and wrote_lately(rec, now)
         message = f"stopped making progress after step {rec.get('step', '?')} and {SILENT_WHY[alive]}"
         source = "peer-watchdog"
     return {"rank": rank, "host": rec.get("host", "?"), "pid": rec.get("pid"), "time": when, "type": "Stalled",
@@ -515,7 +515,7 @@ class ProgressWatch:
     @contextlib.contextmanager
     def paused(self, what: str = "work that is not a step") -> Iterator[None]:
         """Not steps: a checkpoint, a validation pass (``what`` names it in a stall's records, e.g.
-        ``"validation"``). The time inside counts neither way for the step bound; a hang inside is
+        ``"the validation pass of epoch 3"``). The time inside counts neither way for the step bound; a hang inside is
         still named when peers wait for it (:func:`pause_verdict`)."""
         if not self._pauses:
             self._pause_t0 = time.monotonic()
